@@ -1,0 +1,110 @@
+"""`orpheus-gateway` command line: serve, synth, bench, make-test-model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import wave
+from pathlib import Path
+
+from gateway import config as config_mod
+from gateway.orpheus import SAMPLE_RATE
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from gateway.server import create_app
+
+    config = config_mod.from_sources(args)
+    _configure_logging(config.log_level)
+    web.run_app(create_app(config), host=config.host, port=config.port, access_log=None)
+    return 0
+
+
+async def _synth(args: argparse.Namespace) -> int:
+    from gateway.synthesizer import Synthesizer, UtteranceStats
+
+    config = config_mod.from_sources(args)
+    _configure_logging(config.log_level)
+    synthesizer = await asyncio.to_thread(Synthesizer.load, config)
+    await synthesizer.start()
+    stats = UtteranceStats()
+    out = Path(args.output)
+    try:
+        with wave.open(str(out), "wb") as wav:
+            wav.setnchannels(1)
+            wav.setsampwidth(2)
+            wav.setframerate(SAMPLE_RATE)
+            t0 = time.monotonic()
+            async for chunk in synthesizer.utterance(args.text, args.voice, stats=stats):
+                wav.writeframes(chunk.pcm.tobytes())
+            elapsed = time.monotonic() - t0
+    finally:
+        await synthesizer.close()
+    ttfa = f"{stats.ttfa_s * 1000:.0f} ms" if stats.ttfa_s is not None else "-"
+    print(f"wrote {out}: {stats.audio_s:.2f} s of audio in {elapsed:.2f} s, {stats.sentences} sentence(s), "
+          f"{stats.frames} frames, first audio after {ttfa}, {stats.dropped_tokens} tokens dropped")
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    return asyncio.run(_synth(args))
+
+
+def cmd_make_test_model(args: argparse.Namespace) -> int:
+    from gateway.devmodels import main as devmodels_main
+
+    return devmodels_main(args.rest)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.run import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orpheus-gateway", description="Real-time WebRTC gateway for Orpheus TTS.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="Run the gateway (HTTP + WebRTC).")
+    config_mod.add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    synth = sub.add_parser("synth", help="Speak a text into a WAV file.")
+    synth.add_argument("text", help="Text to speak.")
+    synth.add_argument("-o", "--output", default="out.wav", help="WAV file to write [default: out.wav].")
+    synth.add_argument("--voice", dest="voice", default=None, help="Voice [default: the model's first].")
+    config_mod.add_arguments(synth)
+    synth.set_defaults(func=cmd_synth)
+
+    bench = sub.add_parser("bench", help="Benchmarks (see bench/README.md); arguments pass through.")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+
+    make = sub.add_parser("make-test-model", help="Write a random-weight Orpheus-shaped model (tests, benchmarks).")
+    make.add_argument("rest", nargs=argparse.REMAINDER)
+    make.set_defaults(func=cmd_make_test_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # configuration errors: one clear line, not a traceback
+        print(f"orpheus-gateway: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""A headless WebRTC peer that speaks the gateway's protocol: used by tests, benchmarks and load checks.
+
+It negotiates through `POST /v1/webrtc/offer`, opens the `control` data channel, records every event with
+its arrival time, and receives and decodes the RTP audio, keeping each 20 ms frame's arrival time and level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+SILENCE_RMS = 1.0  # decoded Opus silence is exactly or nearly zero
+
+
+class OfferRejectedError(RuntimeError):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"offer rejected with HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class ReceivedFrame:
+    at: float  # monotonic arrival time
+    samples: int  # per channel
+    rms: float
+
+    @property
+    def audible(self) -> bool:
+        return self.rms > SILENCE_RMS
+
+
+@dataclass
+class ReceivedEvent:
+    at: float
+    message: dict[str, Any]
+
+
+@dataclass
+class HeadlessPeer:
+    base_url: str
+    voice: str | None = None
+    jitter_buffer_ms: int | None = None
+    keep_pcm: bool = False
+    events: list[ReceivedEvent] = field(default_factory=list)
+    frames: list[ReceivedFrame] = field(default_factory=list)
+    pcm: list[np.ndarray] = field(default_factory=list)
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.channel = self.pc.createDataChannel("control")
+        self.pc.addTransceiver("audio", direction="recvonly")
+        self._event_arrived = asyncio.Event()
+        self._audio_task: asyncio.Task[None] | None = None
+        self.channel.on("message", self._on_message)
+        self.pc.on("track", self._on_track)
+
+    # --- connection -------------------------------------------------------------------------------
+    async def connect(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Negotiate and wait for the server's `ready` event."""
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        body: dict[str, Any] = {"sdp": self.pc.localDescription.sdp, "type": "offer"}
+        if self.voice is not None:
+            body["voice"] = self.voice
+        if self.jitter_buffer_ms is not None:
+            body["jitter_buffer_ms"] = self.jitter_buffer_ms
+        async with aiohttp.ClientSession() as http, http.post(f"{self.base_url}/v1/webrtc/offer", json=body) as resp:
+            answer = await resp.json()
+            if resp.status != 200:
+                raise OfferRejectedError(resp.status, answer)
+        self.session_id = answer["session_id"]
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+        return await self.wait_event("ready", timeout=timeout)
+
+    async def close(self) -> None:
+        if self._audio_task is not None:
+            self._audio_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, MediaStreamError):
+                await self._audio_task
+        await self.pc.close()
+
+    # --- protocol ---------------------------------------------------------------------------------
+    def send(self, message: dict[str, Any] | str | bytes) -> None:
+        self.channel.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
+
+    def speak(self, utterance_id: str, text: str, **extra: Any) -> float:
+        """Send a speak message; returns its send time for latency measurements."""
+        sent = time.monotonic()
+        self.send({"type": "speak", "id": utterance_id, "text": text, **extra})
+        return sent
+
+    def cancel(self, utterance_id: str | None = None) -> None:
+        self.send({"type": "cancel", **({"id": utterance_id} if utterance_id else {})})
+
+    def _on_message(self, raw: str | bytes) -> None:
+        self.events.append(ReceivedEvent(time.monotonic(), json.loads(raw)))
+        self._event_arrived.set()
+
+    def find(self, kind: str, utterance_id: str | None = None) -> list[ReceivedEvent]:
+        return [e for e in self.events if e.message.get("type") == kind
+                and (utterance_id is None or e.message.get("id") == utterance_id)]
+
+    async def wait_event(self, kind: str, utterance_id: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+        """The first event of this kind (and id) received so far or from now on."""
+        deadline = time.monotonic() + timeout
+        while not (found := self.find(kind, utterance_id)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                seen = [e.message for e in self.events]
+                raise TimeoutError(f"no {kind!r} event for {utterance_id!r} within {timeout} s; saw {seen}")
+            self._event_arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event_arrived.wait(), remaining)
+        return found[0].message
+
+    def event_time(self, kind: str, utterance_id: str | None = None) -> float:
+        return self.find(kind, utterance_id)[0].at
+
+    # --- audio ------------------------------------------------------------------------------------
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind == "audio":
+            self._audio_task = asyncio.create_task(self._receive(track))
+
+    async def _receive(self, track: MediaStreamTrack) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            samples = frame.to_ndarray()
+            mono = samples.reshape(-1, len(frame.layout.channels))[:, 0] if samples.ndim > 1 else samples
+            rms = float(np.sqrt(np.mean(np.square(mono.astype(np.float32))))) if mono.size else 0.0
+            self.frames.append(ReceivedFrame(time.monotonic(), frame.samples, rms))
+            if self.keep_pcm:
+                self.pcm.append(mono.astype(np.int16))
+
+    def audible_frames(self, since: float = 0.0, until: float = float("inf")) -> list[ReceivedFrame]:
+        return [f for f in self.frames if f.audible and since <= f.at <= until]

@@ -1,0 +1,216 @@
+"""SNAC 24 kHz decoding: sliding windows per stream, one batched forward pass per tick for all streams.
+
+SNAC's decoder is non-causal, so a frame's samples depend on neighbouring frames. Each stream decodes a
+window of `context` frames before and `lookahead` frames after the `hop` frames it emits, and keeps only the
+samples of those `hop` frames. The first window has no left context and the last no right context, so the
+first and the last frame of an utterance are emitted too (the reference decoder loses both).
+
+`DecodeBatcher` runs the model in one worker thread: whatever windows are waiting when it becomes free are
+stacked, grouped by length, and decoded in one pass per length. The event loop only awaits futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.orpheus import SAMPLES_PER_FRAME, Frame, frames_to_layers
+
+log = logging.getLogger(__name__)
+
+INT16_MAX = 32767
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """Frames to decode together, and which of their samples are new audio."""
+
+    frames: tuple[Frame, ...]
+    keep_from: int  # first frame (index into `frames`) whose samples are emitted
+    keep_count: int  # number of frames emitted
+
+    @property
+    def length(self) -> int:
+        return len(self.frames)
+
+
+class StreamWindower:
+    """Per-stream sliding-window state: frames in, decode windows out."""
+
+    def __init__(self, context: int = 1, lookahead: int = 1, hop: int = 1) -> None:
+        self.context = context
+        self.lookahead = lookahead
+        self.hop = hop
+        self._frames: list[Frame] = []
+        self._offset = 0  # absolute index of self._frames[0]
+        self.emitted = 0  # frames whose audio has been handed out
+
+    @property
+    def received(self) -> int:
+        return self._offset + len(self._frames)
+
+    def push(self, frames: Sequence[Frame], final: bool = False) -> list[DecodeWindow]:
+        self._frames.extend(frames)
+        windows: list[DecodeWindow] = []
+        while True:
+            ready = self.received - self.emitted - (0 if final else self.lookahead)
+            if ready <= 0:
+                break
+            if ready >= self.hop:
+                count = self.hop
+            elif final or self.emitted == 0:
+                count = ready  # first audio as soon as possible; the tail at the end
+            else:
+                break
+            windows.append(self._window(count))
+            self.emitted += count
+        # Keep only the left context the next window needs.
+        drop = max(0, self.emitted - self.context - self._offset)
+        if drop:
+            del self._frames[:drop]
+            self._offset += drop
+        return windows
+
+    def _window(self, count: int) -> DecodeWindow:
+        start = max(self._offset, self.emitted - self.context)
+        end = min(self.received, self.emitted + count + self.lookahead)
+        frames = tuple(self._frames[start - self._offset:end - self._offset])
+        return DecodeWindow(frames=frames, keep_from=self.emitted - start, keep_count=count)
+
+
+class SnacModel:
+    """The SNAC decoder on one device; turns batches of equal-length windows into int16 PCM."""
+
+    def __init__(self, model: Any, device: str) -> None:
+        self.model = model
+        self.device = device
+
+    @classmethod
+    def load(cls, name_or_path: str, device: str = "auto") -> SnacModel:
+        import torch
+        from snac import SNAC
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = SNAC.from_pretrained(name_or_path).eval().to(device)
+        # Only the decoder is used; dropping the encoder saves memory on every worker.
+        model.encoder = None
+        return cls(model, device)
+
+    def decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
+        """Decode windows of one length in one forward pass; one host copy for the whole batch."""
+        import torch
+
+        layers = [frames_to_layers(w.frames) for w in windows]
+        with torch.inference_mode():
+            codes = [torch.tensor([lay[i] for lay in layers], dtype=torch.long, device=self.device)
+                     for i in range(3)]
+            audio = self.model.decode(codes)[:, 0, :]
+            pcm = (audio.clamp(-1.0, 1.0) * INT16_MAX).to(torch.int16).cpu().numpy()
+        return [pcm[i, w.keep_from * SAMPLES_PER_FRAME:(w.keep_from + w.keep_count) * SAMPLES_PER_FRAME]
+                for i, w in enumerate(windows)]
+
+
+@dataclass
+class _Job:
+    window: DecodeWindow
+    future: asyncio.Future[np.ndarray]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DecodeStats:
+    batches: int = 0
+    windows: int = 0
+    last_batch_size: int = 0
+    busy_s: float = 0.0
+
+
+class DecodeBatcher:
+    """One worker thread decodes the waiting windows of all streams together.
+
+    Batching is natural: while a pass runs, new windows queue up, and the next pass takes them all (up to
+    `max_batch`). `on_batch(size, seconds)` is called from the worker after each pass (metrics).
+    """
+
+    def __init__(self, model: SnacModel, max_batch: int = 256,
+                 on_batch: Callable[[int, float], None] | None = None) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self.stats = DecodeStats()
+        self.on_batch = on_batch
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="snac-decoder", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    async def decode(self, window: DecodeWindow) -> np.ndarray:
+        if self._closed:
+            raise RuntimeError("decoder is closed")
+        loop = asyncio.get_running_loop()
+        job = _Job(window, loop.create_future(), loop)
+        self._queue.put(job)
+        return await job.future
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            jobs = [first]
+            while len(jobs) < self.max_batch:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._decode_all(jobs)
+                    return
+                jobs.append(job)
+            self._decode_all(jobs)
+
+    def _decode_all(self, jobs: list[_Job]) -> None:
+        by_length: dict[int, list[_Job]] = {}
+        for job in jobs:
+            if not job.future.cancelled():
+                by_length.setdefault(job.window.length, []).append(job)
+        for group in by_length.values():
+            t0 = time.perf_counter()
+            try:
+                results: list[Any] = self.model.decode([j.window for j in group])
+                error: BaseException | None = None
+            except Exception as exc:  # one bad batch fails its utterances, not the worker
+                log.exception("SNAC decode failed for a batch of %d", len(group))
+                results, error = [None] * len(group), exc
+            elapsed = time.perf_counter() - t0
+            self.stats.batches += 1
+            self.stats.windows += len(group)
+            self.stats.last_batch_size = len(group)
+            self.stats.busy_s += elapsed
+            if self.on_batch is not None:
+                self.on_batch(len(group), elapsed)
+            for job, result in zip(group, results, strict=True):
+                job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
+
+
+def _resolve(future: asyncio.Future[np.ndarray], result: np.ndarray | None, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(RuntimeError(f"audio decoding failed: {error}"))
+    else:
+        future.set_result(result)  # type: ignore[arg-type]

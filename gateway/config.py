@@ -1,0 +1,181 @@
+"""The gateway's one configuration object.
+
+Every field is a CLI flag (`--max-num-seqs`) and an environment variable (`ORPHEUS_GATEWAY_MAX_NUM_SEQS`);
+the flag wins over the variable, the variable over the default written here. `orpheus-gateway serve --help`
+prints every field with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "ORPHEUS_GATEWAY_"
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class GatewayConfig:
+    # --- model and engine -------------------------------------------------------------------------
+    model: str = _opt("canopylabs/orpheus-3b-0.1-ft", "Orpheus checkpoint: HF id or local path.")
+    tokenizer: str | None = _opt(None, "Tokenizer (HF id or path); default: the model's own.")
+    snac_model: str = _opt("hubertsiuzdak/snac_24khz", "SNAC 24 kHz codec: HF id or local path.")
+    voices: list[str] = _opt([], "Voices offered (repeatable); default: the checkpoint's known voices.")  # noqa: RUF009
+    default_voice: str | None = _opt(None, "Voice used when a request names none; default: the first voice.")
+    max_tokens: int = _opt(2400, "Most audio tokens per sentence (82 tokens = 1 s of audio).")
+    max_num_seqs: int = _opt(256, "Most sequences the engine batches at once (continuous batching).")
+    max_model_len: int = _opt(4096, "Longest prompt + generation, in tokens.")
+    max_num_batched_tokens: int | None = _opt(None, "Token budget of one engine step (chunked prefill).")
+    enable_chunked_prefill: bool = _opt(True, "Split long prefills so running streams keep stepping.")
+    enable_prefix_caching: bool = _opt(True, "Reuse the KV cache of the fixed prompt parts.")
+    enforce_eager: bool = _opt(False, "Disable CUDA graphs / torch.compile (debugging, CPU start-up).")
+    dtype: str = _opt("auto", "Model dtype (auto, bfloat16, float16, float32).")
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype (auto, fp8). fp8 doubles capacity; check quality.")
+    quantization: str | None = _opt(None, "Weight quantization (e.g. fp8). Check quality on the real model.")
+    gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory vLLM may take.")
+    tensor_parallel_size: int = _opt(1, "GPUs per model replica (vLLM tensor parallelism).")
+    data_parallel_size: int = _opt(1, "Model replicas on this host (vLLM data parallelism).")
+    stream_interval: int = _opt(7, "Engine outputs per this many tokens (7 = one SNAC frame).")
+    seed: int | None = _opt(None, "Sampling seed (tests); None = random.")
+    engine_restart_delay_s: float = _opt(1.0, "Pause before restarting a dead engine.")
+    engine_health_interval_s: float = _opt(2.0, "How often the engine's health is checked.")
+    # --- sampling ---------------------------------------------------------------------------------
+    temperature: float = _opt(0.6, "Sampling temperature.")
+    top_p: float = _opt(0.8, "Nucleus sampling mass.")
+    repetition_penalty: float = _opt(1.1, "Repetition penalty (>= 1.1 keeps Orpheus from looping).")
+    # --- codec ------------------------------------------------------------------------------------
+    snac_device: str = _opt("auto", "Device for SNAC decoding: auto (cuda if present), cpu, cuda, cuda:N.")
+    decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
+    decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
+    decode_hop_frames: int = _opt(1, "New frames emitted per decode window once streaming.")
+    decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
+    # --- text -------------------------------------------------------------------------------------
+    max_text_chars: int = _opt(4000, "Longest text accepted per request or utterance.")
+    max_sentence_chars: int = _opt(300, "Sentences longer than this are split at commas or spaces.")
+    seam_fade_ms: float = _opt(5.0, "Fade at sentence joins so back-to-back sentences do not click.")
+    # --- server -----------------------------------------------------------------------------------
+    host: str = _opt("0.0.0.0", "Address to listen on.")
+    port: int = _opt(8000, "Port to listen on.")
+    max_body_bytes: int = _opt(64 * 1024, "Largest HTTP request body.")
+    # --- WebRTC sessions --------------------------------------------------------------------------
+    jitter_buffer_ms: int = _opt(500, "Default audio queued before an utterance starts playing (0-5000).")
+    ice_servers: list[str] = _opt([], "STUN/TURN urls (repeatable). None: no external server is contacted.")  # noqa: RUF009
+    ice_username: str | None = _opt(None, "TURN username.")
+    ice_credential: str | None = _opt(None, "TURN credential.")
+    max_sessions: int = _opt(512, "Most concurrent WebRTC sessions; more get 503.")
+    max_queued_utterances: int = _opt(16, "Most utterances waiting in one session.")
+    session_idle_timeout_s: float = _opt(600.0, "A session with no message for this long is closed.")
+    heartbeat_timeout_s: float = _opt(0.0, "Close a session whose data channel is silent this long (0 = off).")
+    # --- runtime ----------------------------------------------------------------------------------
+    gc_freeze: bool = _opt(True, "Freeze start-up objects out of the GC and collect young objects only.")
+    log_level: str = _opt("info", "Logging level.")
+
+    @property
+    def voice_list(self) -> list[str]:
+        from gateway.orpheus import voices_for_model
+
+        return self.voices or voices_for_model(self.model)
+
+    @property
+    def voice(self) -> str:
+        return self.default_voice or self.voice_list[0]
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, is_list) of a field annotation such as `int | None` or `list[str]`."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return typing.get_args(tp)[0], True
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    return tp, False
+
+
+def _parse_scalar(tp: type, text: str) -> Any:
+    if tp is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {text!r}")
+    if text.strip().lower() in ("", "none", "null"):
+        return None
+    return tp(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; defaults are left None so env and dataclass defaults can apply."""
+    hints = typing.get_type_hints(GatewayConfig)
+    for f in dataclasses.fields(GatewayConfig):
+        tp, is_list = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        env = ENV_PREFIX + f.name.upper()
+        help_text = f"{f.metadata['help']} [default: {default!r}; env {env}]"
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif is_list:
+            parser.add_argument(flag, action="append", type=tp, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=lambda s, tp=tp: _parse_scalar(tp, s), default=None, help=help_text)
+
+
+def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,
+                 **overrides: Any) -> GatewayConfig:
+    """Build the config: dataclass default < environment variable < CLI flag < explicit override."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(GatewayConfig)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(GatewayConfig):
+        tp, is_list = _base_type(hints[f.name])
+        raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            try:
+                if is_list:
+                    values[f.name] = [_parse_scalar(tp, part) for part in raw.split(",") if part.strip()]
+                else:
+                    values[f.name] = _parse_scalar(tp, raw)
+            except ValueError as exc:
+                raise ValueError(f"{ENV_PREFIX + f.name.upper()}: {exc}") from exc
+        cli = getattr(args, f.name, None) if args is not None else None
+        if cli is not None:
+            values[f.name] = cli
+    values.update(overrides)
+    config = GatewayConfig(**values)
+    validate(config)
+    return config
+
+
+def validate(config: GatewayConfig) -> None:
+    """Reject settings that cannot work, with a message naming the setting."""
+    checks = [
+        (config.max_tokens >= 7, "max_tokens must be at least 7 (one SNAC frame)"),
+        (config.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+        (0 <= config.jitter_buffer_ms <= 5000, "jitter_buffer_ms must be within 0..5000"),
+        (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
+        (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
+        (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
+        (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
+        (config.stream_interval >= 1, "stream_interval must be >= 1"),
+        (config.temperature >= 0, "temperature must be >= 0"),
+        (0 < config.top_p <= 1, "top_p must be within (0, 1]"),
+        (config.max_text_chars >= 1, "max_text_chars must be >= 1"),
+        (1 <= config.port <= 65535 or config.port == 0, "port must be within 0..65535"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    if config.default_voice is not None and config.default_voice not in config.voice_list:
+        raise ValueError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")

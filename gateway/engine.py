@@ -1,0 +1,252 @@
+"""The one long-lived vLLM engine every session shares.
+
+`OrpheusEngine` owns a vLLM v1 `AsyncLLM`: it starts it once, streams generated token ids for each request
+(continuous batching does the rest), aborts a request when its consumer goes away, and watches the engine:
+when it dies, every in-flight request fails with `EngineDeadError` and a new engine is started in place,
+without restarting the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from gateway.config import GatewayConfig
+from gateway.orpheus import END_OF_SPEECH_ID
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """Base of the errors a generation request can end with."""
+
+    code = "engine_error"
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is starting or restarting; try again shortly."""
+
+    code = "engine_unavailable"
+
+
+class EngineDeadError(EngineError):
+    """The engine died while this request was running; it is being restarted."""
+
+    code = "engine_dead"
+
+
+class EngineState(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    CLOSED = "closed"
+
+
+def engine_args(config: GatewayConfig) -> Any:
+    """vLLM engine arguments for this configuration (the gateway tokenizes prompts itself)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(
+        model=config.model,
+        skip_tokenizer_init=True,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enforce_eager=config.enforce_eager,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_dtype=config.kv_cache_dtype,
+        quantization=config.quantization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        data_parallel_size=config.data_parallel_size,
+        stream_interval=config.stream_interval,
+        disable_log_stats=True,
+    )
+    if config.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    return AsyncEngineArgs(**kwargs)
+
+
+def sampling_params(config: GatewayConfig, max_tokens: int | None = None, seed: int | None = None) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        temperature=config.temperature,
+        top_p=config.top_p,
+        repetition_penalty=config.repetition_penalty,
+        max_tokens=max_tokens or config.max_tokens,
+        stop_token_ids=[END_OF_SPEECH_ID],
+        seed=seed if seed is not None else config.seed,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class OrpheusEngine:
+    """Start once, share everywhere, restart on death."""
+
+    def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None) -> None:
+        self.config = config
+        self.state = EngineState.STOPPED
+        self.restarts = 0
+        self.started_at: float | None = None
+        self._llm: Any = None
+        self.on_state = on_state
+        self._ids = itertools.count()
+        self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
+        self._in_flight: set[str] = set()
+        self._ready = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._restart_lock = asyncio.Lock()
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the AsyncLLM (slow: loads weights, profiles memory, captures graphs) off the event loop."""
+        self._set_state(EngineState.STARTING)
+        self._llm = await self._create()
+        self.started_at = time.monotonic()
+        self._set_state(EngineState.READY)
+        self._watchdog = asyncio.create_task(self._watch(), name="engine-watchdog")
+
+    async def _create(self) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(self.config)
+        log.info("starting vLLM engine for %s", self.config.model)
+        t0 = time.monotonic()
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
+        return llm
+
+    async def close(self) -> None:
+        self._set_state(EngineState.CLOSED)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        await self._shutdown_llm()
+
+    async def _shutdown_llm(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+
+    def _set_state(self, state: EngineState) -> None:
+        self.state = state
+        if state is EngineState.READY:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        if self.on_state is not None:
+            self.on_state(state)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this gateway has running in the engine."""
+        return len(self._in_flight)
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine itself still tracks (0 once every aborted request is really gone)."""
+        llm = self._llm
+        return 0 if llm is None else llm.output_processor.get_num_unfinished_requests()
+
+    def engine_process_ids(self) -> list[int]:
+        """PIDs of the engine-core processes (for fault tests and operations)."""
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)
+                if "EngineCore" in " ".join(_safe_cmdline(p)) or "EngineCore" in _safe_name(p)]
+
+    # --- health -----------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Notice a dead engine even when no request is running, and restart it."""
+        while self.state is not EngineState.CLOSED:
+            await asyncio.sleep(self.config.engine_health_interval_s)
+            if self.state is EngineState.READY and self._llm is not None and self._llm.errored:
+                log.error("vLLM engine is dead; restarting")
+                await self._restart()
+
+    async def _restart(self) -> None:
+        async with self._restart_lock:
+            if self.state is not EngineState.READY or self._llm is None or not self._llm.errored:
+                return
+            self._set_state(EngineState.RESTARTING)
+            with contextlib.suppress(Exception):
+                await self._shutdown_llm()
+            await asyncio.sleep(self.config.engine_restart_delay_s)
+            while self.state is EngineState.RESTARTING:
+                try:
+                    self._llm = await self._create()
+                except Exception:
+                    log.exception("engine restart failed; retrying")
+                    await asyncio.sleep(self.config.engine_restart_delay_s)
+                    continue
+                self.restarts += 1
+                self.started_at = time.monotonic()
+                self._set_state(EngineState.READY)
+
+    # --- generation -------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None,
+                       seed: int | None = None, priority: int = 0) -> AsyncIterator[list[int]]:
+        """Stream the ids the model generates for one prompt, a few at a time (DELTA outputs).
+
+        Closing or cancelling the iterator aborts the request in the engine at once.
+        """
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+        if not self.ready or self._llm is None:
+            raise EngineUnavailableError(f"engine is {self.state.value}")
+        llm = self._llm
+        request_id = f"{self._id_prefix}-{next(self._ids)}"
+        params = sampling_params(self.config, max_tokens, seed)
+        self._in_flight.add(request_id)
+        finished = False
+        try:
+            async for output in llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                             request_id, priority=priority):
+                completion = output.outputs[0]
+                finished = output.finished
+                if completion.token_ids:
+                    yield list(completion.token_ids)
+        except VllmEngineDeadError as exc:
+            finished = True
+            asyncio.get_running_loop().create_task(self._restart())
+            raise EngineDeadError("the speech engine stopped; it is restarting") from exc
+        finally:
+            self._in_flight.discard(request_id)
+            if not finished and not llm.errored:
+                # Consumer went away (cancel, barge-in, closed peer): free the sequence's GPU slot now.
+                with contextlib.suppress(Exception):
+                    await llm.abort(request_id)
+
+
+def _safe_cmdline(proc: Any) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:
+        return []
+
+
+def _safe_name(proc: Any) -> str:
+    try:
+        return proc.name()
+    except Exception:
+        return ""

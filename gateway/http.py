@@ -1,0 +1,43 @@
+"""HTTP helpers shared by the routes: the app key of the gateway state and JSON errors.
+
+Every error the gateway answers is `{"error": {"code": ..., "message": ...}}` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
+
+
+def error_body(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def json_error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(code, message), status=status, headers=headers)
+
+
+def _json_http_error(cls: type[web.HTTPException], code: str, message: str, **kw: Any) -> web.HTTPException:
+    return cls(text=json.dumps(error_body(code, message)), content_type="application/json", **kw)
+
+
+async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object, or an HTTP 4xx with a JSON error body."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise _json_http_error(web.HTTPRequestEntityTooLarge, "body_too_large", f"body over {max_bytes} bytes",
+                               max_size=max_bytes, actual_size=request.content_length)
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise _json_http_error(web.HTTPBadRequest, "invalid_json", "body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise _json_http_error(web.HTTPBadRequest, "invalid_json", "body must be a JSON object")
+    return body

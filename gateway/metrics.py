@@ -1,0 +1,62 @@
+"""Prometheus metrics of one gateway process, served at `GET /metrics`.
+
+Each gateway owns its registry (not the global one) so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sessions_active = Gauge("orpheus_sessions_active", "WebRTC sessions open.", registry=r)
+        self.sessions_total = Counter("orpheus_sessions_total", "WebRTC sessions opened.", registry=r)
+        self.utterances_total = Counter("orpheus_utterances_total", "Utterances by outcome.", ["outcome"],
+                                        registry=r)
+        self.speech_requests_total = Counter("orpheus_speech_requests_total",
+                                             "HTTP /v1/audio/speech requests by status.", ["status"], registry=r)
+        self.ttfa_seconds = Histogram("orpheus_time_to_first_audio_seconds",
+                                      "Request (speak message or HTTP request) to first audio out.",
+                                      ["path"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.rtf = Histogram("orpheus_real_time_factor", "Synthesis time / audio time per utterance.",
+                             buckets=RTF_BUCKETS, registry=r)
+        self.underruns_total = Counter("orpheus_underruns_total", "Playout underruns mid-utterance.",
+                                       registry=r)
+        self.underrun_seconds_total = Counter("orpheus_underrun_seconds_total",
+                                              "Silence inserted mid-utterance by underruns.", registry=r)
+        self.queue_depth = Gauge("orpheus_queued_utterances", "Utterances waiting in session queues.",
+                                 registry=r)
+        self.engine_in_flight = Gauge("orpheus_engine_requests_in_flight", "Engine requests running.",
+                                      registry=r)
+        self.engine_ready = Gauge("orpheus_engine_ready", "1 when the engine can serve.", registry=r)
+        self.engine_restarts_total = Counter("orpheus_engine_restarts_total", "Engine restarts after death.",
+                                             registry=r)
+        self.snac_batch_size = Histogram("orpheus_snac_batch_size", "Windows per SNAC forward pass.",
+                                         buckets=BATCH_BUCKETS, registry=r)
+        self.snac_batch_seconds = Histogram("orpheus_snac_batch_seconds", "Duration of one SNAC pass.",
+                                            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tokens_total = Counter("orpheus_audio_tokens_total", "Tokens generated (rate = tokens/s).",
+                                    registry=r)
+        self.audio_seconds_total = Counter("orpheus_audio_seconds_total", "Audio produced.", registry=r)
+
+    def observe_decode_batch(self, size: int, seconds: float) -> None:
+        """Called from the SNAC worker thread; prometheus-client metrics are thread safe."""
+        self.snac_batch_size.observe(size)
+        self.snac_batch_seconds.observe(seconds)
+
+    def track_in_flight(self, read: Callable[[], float]) -> None:
+        self.engine_in_flight.set_function(read)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

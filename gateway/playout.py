@@ -1,0 +1,534 @@
+"""Per-session paced audio track with a per-utterance jitter buffer.
+
+The session pushes TTS PCM (24 kHz mono int16) as it is produced; aiortc's RTP
+sender calls :meth:`PlayoutTrack.recv` in a loop and sends each returned frame
+immediately, so the track owns the clock: frame ``k`` is returned at
+``t0 + k * 20 ms``, with silence whenever no audio is ready, so the RTP stream
+never stalls.
+
+Audio is organised in utterances (string ids) that play back to back in the
+order they were begun. Each utterance has its own jitter buffer: playback
+starts only once ``jitter_buffer_ms`` of its audio has been pushed, or the
+utterance has been ended. Once started, running dry before the end is an
+underrun (silence is sent and counted); playback resumes as soon as a whole
+frame is ready again (no re-buffering, which would only lengthen the gap).
+The start threshold counts pushed (input) audio, so the resampler's ~0.7 ms
+filter delay never holds back the start.
+
+All methods must be called from the event loop thread that runs ``recv``;
+nothing here is thread-safe, and none of it needs to be. One consumer only:
+fan out with ``aiortc.contrib.media.MediaRelay`` if several peers need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from fractions import Fraction
+from typing import Any
+
+import av
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+__all__ = [
+    "CHANNEL_LAYOUT",
+    "FRAME_MS",
+    "FRAME_SAMPLES",
+    "MAX_JITTER_BUFFER_MS",
+    "SAMPLE_FORMAT",
+    "SAMPLE_RATE_IN",
+    "SAMPLE_RATE_OUT",
+    "PlayoutEvent",
+    "PlayoutEventKind",
+    "PlayoutStats",
+    "PlayoutTrack",
+]
+
+logger = logging.getLogger(__name__)
+
+# --- Output format: exactly what aiortc's OpusEncoder accepts (s16, mono or
+# stereo, 48 kHz; it repacketises to 960-sample frames itself, but we already
+# hand it 20 ms so nothing is buffered inside the encoder).
+SAMPLE_RATE_OUT = 48000
+FRAME_MS = 20
+MS_PER_SECOND = 1000
+FRAME_SAMPLES = SAMPLE_RATE_OUT * FRAME_MS // MS_PER_SECOND  # 960
+FRAME_SECONDS = FRAME_MS / MS_PER_SECOND
+SAMPLE_FORMAT = "s16"
+CHANNEL_LAYOUT = "mono"
+PCM_DTYPE = np.dtype(np.int16)
+FRAME_BYTES = FRAME_SAMPLES * PCM_DTYPE.itemsize  # 1920
+TIME_BASE = Fraction(1, SAMPLE_RATE_OUT)
+
+# --- Input: Orpheus/SNAC produces 24 kHz mono int16.
+SAMPLE_RATE_IN = 24000
+
+# --- Jitter buffer bounds (ms of an utterance's audio queued before it starts).
+MIN_JITTER_BUFFER_MS = 0
+MAX_JITTER_BUFFER_MS = 5000
+
+# Being later than this for a frame means the event loop stalled: re-anchor the
+# clock instead of bursting out the backlog.
+REANCHOR_LATENESS_S = FRAME_SECONDS
+
+# Log the first few internal errors with a traceback; after that only count
+# them, so a persistent bug cannot flood the log at 50 lines/s per track.
+MAX_LOGGED_ERRORS = 5
+
+# Built once: every silence frame copies from this.
+_SILENCE = bytes(FRAME_BYTES)
+
+# A queued frame: exactly FRAME_BYTES of s16 samples (bytes or an int16 view).
+_FramePayload = bytes | np.ndarray
+
+
+class PlayoutEventKind(str, Enum):
+    """A str subclass so ``event.kind == "started"`` works (StrEnum is 3.11+)."""
+
+    STARTED = "started"
+    MARKER = "marker"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class PlayoutEvent:
+    """Something that happened at the moment a frame was handed to the sender.
+
+    ``timestamp`` is the track clock (``time.monotonic`` unless injected) at the
+    recv that returned the frame. ``label``/``data`` are set for markers;
+    ``audio_ms``/``underruns``/``underrun_ms`` for ``finished``.
+    """
+
+    kind: PlayoutEventKind
+    utterance_id: str
+    timestamp: float
+    label: str | None = None
+    data: Any = None
+    audio_ms: int = 0
+    underruns: int = 0
+    underrun_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlayoutStats:
+    frames_sent: int
+    silence_frames: int
+    underruns: int
+    underrun_ms: int
+    reanchors: int
+    queued_ms: int
+    queued_utterances: int
+    errors: int
+    callback_errors: int
+
+
+@dataclass(slots=True, eq=False)
+class _Utterance:
+    utterance_id: str
+    start_threshold_in: int  # input samples pushed before playback may start
+    resampler: av.AudioResampler | None
+    frames: deque[_FramePayload] = field(default_factory=deque)
+    # Resampled samples not yet making a whole frame (reused buffer).
+    partial: np.ndarray = field(default_factory=lambda: np.zeros(FRAME_SAMPLES, dtype=PCM_DTYPE))
+    partial_len: int = 0
+    # (frame index within the utterance, label, data); indices are monotonic.
+    markers: deque[tuple[int, str, Any]] = field(default_factory=deque)
+    in_samples: int = 0
+    frames_played: int = 0
+    ended: bool = False
+    started: bool = False
+    in_underrun: bool = False
+    underruns: int = 0
+    underrun_frames: int = 0
+
+
+class PlayoutTrack(MediaStreamTrack):
+    """A live audio track that paces itself and plays queued utterances.
+
+    :param on_event: called synchronously from ``recv`` for ``started``,
+        ``marker`` and ``finished``; exceptions are logged and counted, never
+        propagated into aiortc.
+    :param pace: sleep until each frame's slot (the normal case). Tests may
+        pass ``False`` to get frames as fast as they ask.
+    :param clock: monotonic clock in seconds used for pacing and event
+        timestamps.
+    :param input_sample_rate: rate of the PCM given to :meth:`push_pcm`.
+    """
+
+    kind = "audio"
+
+    def __init__(
+        self,
+        on_event: Callable[[PlayoutEvent], None] | None = None,
+        *,
+        pace: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        input_sample_rate: int = SAMPLE_RATE_IN,
+    ) -> None:
+        super().__init__()
+        if input_sample_rate <= 0:
+            raise ValueError(f"input_sample_rate must be > 0, got {input_sample_rate}")
+        self._on_event = on_event
+        self._pace = pace
+        self._clock = clock
+        self._in_rate = input_sample_rate
+
+        self._queue: deque[_Utterance] = deque()
+        self._by_id: dict[str, _Utterance] = {}
+        self._pending_events: list[PlayoutEvent] = []
+        self._event_time = 0.0  # clock at the current recv, shared by its events
+        # Set by clear() when the playing utterance is dropped: the next frame
+        # must be silence even if another utterance is ready.
+        self._force_silence = False
+
+        # Pacing: frame n is due at _anchor_time + (n - _anchor_frame) * 20 ms.
+        self._anchor_time: float | None = None
+        self._anchor_frame = 0
+
+        self._frames_sent = 0
+        self._silence_frames = 0
+        self._underruns = 0
+        self._underrun_frames = 0
+        self._reanchors = 0
+        self._queued_frames = 0
+        self._errors = 0
+        self._callback_errors = 0
+
+    # ------------------------------------------------------------------ input
+
+    def begin_utterance(self, utterance_id: str, jitter_buffer_ms: float) -> None:
+        """Queue a new utterance behind the ones already begun.
+
+        Raises ``ValueError`` for an out-of-range jitter buffer or an id that is
+        still queued/playing.
+        """
+        if isinstance(jitter_buffer_ms, bool) or not (MIN_JITTER_BUFFER_MS <= jitter_buffer_ms <= MAX_JITTER_BUFFER_MS):
+            raise ValueError(
+                f"jitter_buffer_ms must be between {MIN_JITTER_BUFFER_MS} and "
+                f"{MAX_JITTER_BUFFER_MS} ms, got {jitter_buffer_ms!r}"
+            )
+        if utterance_id in self._by_id:
+            raise ValueError(f"utterance {utterance_id!r} is already queued")
+        if self.readyState != "live":
+            raise MediaStreamError("track is stopped")
+        utt = _Utterance(
+            utterance_id=utterance_id,
+            start_threshold_in=math.ceil(jitter_buffer_ms * self._in_rate / MS_PER_SECOND),
+            resampler=av.AudioResampler(format=SAMPLE_FORMAT, layout=CHANNEL_LAYOUT, rate=SAMPLE_RATE_OUT),
+        )
+        self._queue.append(utt)
+        self._by_id[utterance_id] = utt
+
+    def push_pcm(self, utterance_id: str, pcm: np.ndarray) -> bool:
+        """Append mono int16 PCM (any length) to an utterance.
+
+        Returns ``False`` (and drops the audio) if the utterance is not queued,
+        e.g. it was just cleared by a barge-in while TTS was still producing.
+        Raises ``ValueError`` for bad PCM or an utterance that was ended.
+        """
+        utt = self._by_id.get(utterance_id)
+        if utt is None:
+            logger.debug("push_pcm for unknown utterance %r dropped", utterance_id)
+            return False
+        if utt.ended:
+            raise ValueError(f"utterance {utterance_id!r} was already ended")
+        if not isinstance(pcm, np.ndarray) or pcm.dtype != PCM_DTYPE:
+            raise ValueError(f"pcm must be an int16 numpy array, got {getattr(pcm, 'dtype', type(pcm).__name__)}")
+        if pcm.ndim != 1:
+            if pcm.size != max(pcm.shape, default=0):
+                raise ValueError(f"pcm must be mono, got shape {pcm.shape}")
+            pcm = pcm.reshape(-1)
+        if pcm.size == 0:
+            return True
+        assert utt.resampler is not None  # only None once ended
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(pcm).reshape(1, -1),
+            format=SAMPLE_FORMAT,
+            layout=CHANNEL_LAYOUT,
+        )
+        frame.sample_rate = self._in_rate
+        utt.in_samples += pcm.size
+        for out in utt.resampler.resample(frame):
+            self._append_resampled(utt, out.to_ndarray().reshape(-1))
+        return True
+
+    def mark(self, utterance_id: str, label: str, data: Any = None) -> bool:
+        """Insert a marker after the audio pushed so far to that utterance.
+
+        It is reported when the frame containing the next sample is returned
+        (or with the last frame, if no audio follows). Returns ``False`` if the
+        utterance is not queued.
+        """
+        utt = self._by_id.get(utterance_id)
+        if utt is None:
+            return False
+        if utt.ended:
+            raise ValueError(f"utterance {utterance_id!r} was already ended")
+        out_pos = utt.in_samples * SAMPLE_RATE_OUT // self._in_rate
+        utt.markers.append((out_pos // FRAME_SAMPLES, label, data))
+        return True
+
+    def end_utterance(self, utterance_id: str) -> bool:
+        """No more audio for this utterance: flush and pad its last frame.
+
+        Idempotent. Returns ``False`` if the utterance is not queued.
+        """
+        utt = self._by_id.get(utterance_id)
+        if utt is None:
+            return False
+        if utt.ended:
+            return True
+        if utt.resampler is not None:
+            # Flushing drains the resampler's filter delay (~32 samples), so
+            # the utterance keeps exactly 2x its input samples.
+            for out in utt.resampler.resample(None):
+                self._append_resampled(utt, out.to_ndarray().reshape(-1))
+            utt.resampler = None
+        if utt.partial_len:
+            utt.partial[utt.partial_len :] = 0
+            utt.frames.append(utt.partial.tobytes())
+            utt.partial_len = 0
+            self._queued_frames += 1
+        utt.ended = True
+        return True
+
+    def clear(self, utterance_id: str | None = None) -> list[str]:
+        """Barge-in/cancel: drop one utterance (or all) and return the dropped ids.
+
+        Dropped utterances emit no further events. If the playing utterance is
+        dropped, the next frame returned is silence.
+        """
+        if utterance_id is None:
+            victims = list(self._queue)
+        else:
+            utt = self._by_id.get(utterance_id)
+            victims = [] if utt is None else [utt]
+        for utt in victims:
+            if utt.started:
+                self._force_silence = True
+            self._queue.remove(utt)
+            self._drop(utt)
+        return [utt.utterance_id for utt in victims]
+
+    # ------------------------------------------------------------- inspection
+
+    @property
+    def playing_utterance_id(self) -> str | None:
+        """The utterance currently being played (started, not finished)."""
+        if self._queue and self._queue[0].started:
+            return self._queue[0].utterance_id
+        return None
+
+    def has_utterance(self, utterance_id: str) -> bool:
+        return utterance_id in self._by_id
+
+    def stats(self) -> PlayoutStats:
+        return PlayoutStats(
+            frames_sent=self._frames_sent,
+            silence_frames=self._silence_frames,
+            underruns=self._underruns,
+            underrun_ms=self._underrun_frames * FRAME_MS,
+            reanchors=self._reanchors,
+            queued_ms=self._queued_frames * FRAME_MS,
+            queued_utterances=len(self._queue),
+            errors=self._errors,
+            callback_errors=self._callback_errors,
+        )
+
+    # ---------------------------------------------------------- aiortc track
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._pace:
+            await self._wait_for_slot()
+            # stop() may have been called while we slept.
+            if self.readyState != "live":
+                raise MediaStreamError
+
+        self._event_time = self._clock()
+        # An exception escaping recv ends aiortc's sender loop for good, so
+        # anything unexpected degrades to one silent frame instead.
+        try:
+            payload = self._next_payload()
+        except Exception:
+            self._count_error("choosing the next frame")
+            payload = _SILENCE
+        if payload is _SILENCE:
+            self._silence_frames += 1
+        try:
+            frame = self._make_frame(payload)
+        except Exception:
+            self._count_error("building a frame")
+            frame = self._make_frame(_SILENCE)
+        self._frames_sent += 1
+        if self._pending_events:
+            self._emit_pending()
+        return frame
+
+    def stop(self) -> None:
+        super().stop()
+        for utt in self._queue:
+            self._drop(utt)
+        self._queue.clear()
+        self._pending_events.clear()
+        self._on_event = None
+
+    # -------------------------------------------------------------- internals
+
+    async def _wait_for_slot(self) -> None:
+        now = self._clock()
+        if self._anchor_time is None:
+            self._anchor_time = now
+            self._anchor_frame = self._frames_sent
+            return
+        due = self._anchor_time + (self._frames_sent - self._anchor_frame) * FRAME_SECONDS
+        delay = due - now
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif -delay > REANCHOR_LATENESS_S:
+            # The loop (or the consumer) stalled: sending the backlog quickly
+            # would only overflow the receiver's jitter buffer.
+            self._anchor_time = now
+            self._anchor_frame = self._frames_sent
+            self._reanchors += 1
+
+    def _make_frame(self, payload: _FramePayload) -> av.AudioFrame:
+        frame = av.AudioFrame(format=SAMPLE_FORMAT, layout=CHANNEL_LAYOUT, samples=FRAME_SAMPLES)
+        # update() memcpys and rejects anything but exactly FRAME_BYTES.
+        frame.planes[0].update(payload)
+        frame.pts = self._frames_sent * FRAME_SAMPLES
+        frame.sample_rate = SAMPLE_RATE_OUT
+        frame.time_base = TIME_BASE
+        return frame
+
+    def _next_payload(self) -> _FramePayload:
+        """Pick this slot's frame, advancing utterance state and queueing events."""
+        if self._force_silence:
+            self._force_silence = False
+            return _SILENCE
+        queue = self._queue
+        while queue:
+            utt = queue[0]
+            if not utt.started:
+                if utt.frames:
+                    if not utt.ended and utt.in_samples < utt.start_threshold_in:
+                        return _SILENCE  # pre-roll: still filling the buffer
+                elif not utt.ended:
+                    return _SILENCE  # nothing yet (jitter 0 waits for 1 frame)
+                utt.started = True
+                self._queue_event(PlayoutEventKind.STARTED, utt)
+            if utt.frames:
+                payload = utt.frames.popleft()
+                self._queued_frames -= 1
+                index = utt.frames_played
+                utt.frames_played += 1
+                utt.in_underrun = False
+                markers = utt.markers
+                while markers and markers[0][0] <= index:
+                    self._queue_marker(utt, markers.popleft())
+                if utt.ended and not utt.frames:
+                    self._finish(utt)
+                return payload
+            if utt.ended:
+                # Ended with nothing left (e.g. an empty utterance, or the end
+                # arrived during an underrun): finish and try the next one.
+                self._finish(utt)
+                continue
+            if not utt.in_underrun:
+                utt.in_underrun = True
+                utt.underruns += 1
+                self._underruns += 1
+            utt.underrun_frames += 1
+            self._underrun_frames += 1
+            return _SILENCE
+        return _SILENCE
+
+    def _finish(self, utt: _Utterance) -> None:
+        while utt.markers:
+            self._queue_marker(utt, utt.markers.popleft())
+        self._queue.popleft()
+        del self._by_id[utt.utterance_id]
+        self._pending_events.append(
+            PlayoutEvent(
+                kind=PlayoutEventKind.FINISHED,
+                utterance_id=utt.utterance_id,
+                timestamp=self._event_time,
+                audio_ms=utt.frames_played * FRAME_MS,
+                underruns=utt.underruns,
+                underrun_ms=utt.underrun_frames * FRAME_MS,
+            )
+        )
+
+    def _queue_event(self, kind: PlayoutEventKind, utt: _Utterance) -> None:
+        self._pending_events.append(PlayoutEvent(kind=kind, utterance_id=utt.utterance_id, timestamp=self._event_time))
+
+    def _queue_marker(self, utt: _Utterance, marker: tuple[int, str, Any]) -> None:
+        _, label, data = marker
+        self._pending_events.append(
+            PlayoutEvent(
+                kind=PlayoutEventKind.MARKER,
+                utterance_id=utt.utterance_id,
+                timestamp=self._event_time,
+                label=label,
+                data=data,
+            )
+        )
+
+    def _emit_pending(self) -> None:
+        # Emitted only after the frame is chosen and state is consistent, so a
+        # callback may safely call clear()/begin_utterance() re-entrantly.
+        events = self._pending_events
+        self._pending_events = []
+        callback = self._on_event
+        if callback is None:
+            return
+        for event in events:
+            try:
+                callback(event)
+            except Exception:
+                self._callback_errors += 1
+                if self._callback_errors <= MAX_LOGGED_ERRORS:
+                    logger.exception("playout on_event callback raised for %s", event)
+
+    def _append_resampled(self, utt: _Utterance, out: np.ndarray) -> None:
+        """Cut resampled samples into whole frames; keep the remainder."""
+        n = out.shape[0]
+        pos = 0
+        if utt.partial_len:
+            take = min(FRAME_SAMPLES - utt.partial_len, n)
+            utt.partial[utt.partial_len : utt.partial_len + take] = out[:take]
+            utt.partial_len += take
+            pos = take
+            if utt.partial_len == FRAME_SAMPLES:
+                utt.frames.append(utt.partial.tobytes())
+                utt.partial_len = 0
+                self._queued_frames += 1
+        whole_end = pos + (n - pos) // FRAME_SAMPLES * FRAME_SAMPLES
+        # Views into `out` (no copy); update() copies them into the AVFrame.
+        for start in range(pos, whole_end, FRAME_SAMPLES):
+            utt.frames.append(out[start : start + FRAME_SAMPLES])
+        self._queued_frames += (whole_end - pos) // FRAME_SAMPLES
+        tail = n - whole_end
+        if tail:
+            utt.partial[:tail] = out[whole_end:]
+            utt.partial_len = tail
+
+    def _drop(self, utt: _Utterance) -> None:
+        self._queued_frames -= len(utt.frames)
+        utt.frames.clear()
+        utt.markers.clear()
+        utt.resampler = None
+        self._by_id.pop(utt.utterance_id, None)
+
+    def _count_error(self, what: str) -> None:
+        self._errors += 1
+        if self._errors <= MAX_LOGGED_ERRORS:
+            logger.exception("playout error while %s; sending silence", what)

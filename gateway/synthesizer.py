@@ -1,0 +1,251 @@
+"""Text in, 24 kHz PCM out: the one interface every front end (HTTP, WebRTC, CLI, benchmarks) uses.
+
+text -> sentences -> prompt ids -> engine token ids -> SNAC frames -> decode windows -> PCM chunks.
+
+Sentences of one utterance play back to back: the next sentence's generation starts as soon as the
+previous one has finished generating (its audio is still being decoded and played), so there is no gap
+at the join, and a short fade at each join keeps it free of clicks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.codec import DecodeBatcher, SnacModel, StreamWindower
+from gateway.config import GatewayConfig
+from gateway.engine import OrpheusEngine
+from gateway.orpheus import SAMPLE_RATE, AudioTokenParser, build_prompt, split_sentences
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the synthesizer refuses (unknown voice, empty or too long text)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class AudioChunk:
+    """A piece of an utterance's audio: 24 kHz mono int16."""
+
+    pcm: np.ndarray
+    sentence_index: int
+    sentence_text: str
+    first_of_sentence: bool
+
+
+@dataclass
+class UtteranceStats:
+    """What happened while one utterance was made (for events, metrics and benchmarks)."""
+
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    first_audio_at: float | None = None
+    finished_at: float | None = None
+    sentences: int = 0
+    tokens: int = 0
+    frames: int = 0
+    samples: int = 0
+    ignored_ids: int = 0
+    dropped_tokens: int = 0
+
+    @property
+    def audio_s(self) -> float:
+        return self.samples / SAMPLE_RATE
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def ttfa_s(self) -> float | None:
+        return None if self.first_audio_at is None else self.first_audio_at - self.started
+
+
+_END = object()  # end of one sentence's chunk queue
+
+
+class Synthesizer:
+    """Owns the engine, the tokenizer and the SNAC decoder; hands out audio streams."""
+
+    def __init__(self, config: GatewayConfig, engine: OrpheusEngine, tokenizer: Any, decoder: DecodeBatcher) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.decoder = decoder
+        self.voices = list(config.voice_list)
+        self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
+
+    @classmethod
+    def load(cls, config: GatewayConfig) -> Synthesizer:
+        """Load tokenizer and SNAC (fast); the engine still has to be started with `start()`."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        snac = SnacModel.load(config.snac_model, config.snac_device)
+        decoder = DecodeBatcher(snac, config.decode_max_batch)
+        engine = OrpheusEngine(config)
+        return cls(config, engine, tokenizer, decoder)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def close(self) -> None:
+        await self.engine.close()
+        await asyncio.to_thread(self.decoder.close)
+
+    # --- validation -------------------------------------------------------------------------------
+    def resolve_voice(self, voice: str | None) -> str:
+        if voice is None or voice == "":
+            return self.config.voice
+        if voice not in self.voices:
+            raise InvalidRequestError("unknown_voice", f"unknown voice {voice!r}; known voices: {self.voices}")
+        return voice
+
+    def check_text(self, text: Any) -> str:
+        if not isinstance(text, str):
+            raise InvalidRequestError("invalid_text", "text must be a string")
+        if not text.strip():
+            raise InvalidRequestError("empty_text", "text is empty")
+        if len(text) > self.config.max_text_chars:
+            raise InvalidRequestError(
+                "text_too_long", f"text has {len(text)} characters; the limit is {self.config.max_text_chars}")
+        return text
+
+    # --- streaming --------------------------------------------------------------------------------
+    async def stream(self, text: str, voice: str | None = None, *, max_tokens: int | None = None,
+                     seed: int | None = None) -> AsyncIterator[np.ndarray]:
+        """PCM chunks (24 kHz mono int16) of `text`, as they are made."""
+        async for chunk in self.utterance(text, voice, max_tokens=max_tokens, seed=seed):
+            yield chunk.pcm
+
+    async def utterance(self, text: str | Iterable[str] | AsyncIterable[str], voice: str | None = None, *,
+                        max_tokens: int | None = None, seed: int | None = None,
+                        stats: UtteranceStats | None = None) -> AsyncIterator[AudioChunk]:
+        """Audio chunks of one utterance; `text` is a whole text or an (async) stream of sentences.
+
+        Closing the iterator (cancel, barge-in) aborts whatever the engine is generating for it.
+        """
+        voice = self.resolve_voice(voice)
+        if isinstance(text, (Iterable, AsyncIterable)) and not isinstance(text, str):
+            sentences: Any = text
+        else:
+            sentences = split_sentences(self.check_text(text), self.config.max_sentence_chars)
+        stats = stats if stats is not None else UtteranceStats()
+        # One queue per sentence, played in order; the feeder starts sentence k+1 once k has generated.
+        order: asyncio.Queue[asyncio.Queue[Any] | None] = asyncio.Queue()
+        feeder = asyncio.create_task(self._feed(sentences, voice, max_tokens, seed, stats, order))
+        try:
+            while (chunks := await order.get()) is not None:
+                while (item := await chunks.get()) is not _END:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            await feeder  # re-raise a feeder error (e.g. a bad sentence)
+        finally:
+            if not feeder.done():
+                feeder.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await feeder
+            stats.finished_at = time.monotonic()
+
+    async def _feed(self, sentences: Iterable[str] | AsyncIterable[str], voice: str, max_tokens: int | None,
+                    seed: int | None, stats: UtteranceStats, order: asyncio.Queue[Any]) -> None:
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            index = 0
+            async for sentence in _aiter(sentences):
+                sentence = sentence.strip()
+                if not sentence:
+                    continue
+                chunks: asyncio.Queue[Any] = asyncio.Queue()
+                generated = asyncio.Event()
+                order.put_nowait(chunks)
+                tasks.append(asyncio.create_task(
+                    self._sentence(index, sentence, voice, max_tokens, seed, stats, chunks, generated)))
+                index += 1
+                stats.sentences = index
+                await generated.wait()
+            order.put_nowait(None)
+            await asyncio.gather(*tasks)
+        finally:
+            order.put_nowait(None)  # wake the consumer even if this feeder failed (it re-raises the error)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sentence(self, index: int, sentence: str, voice: str, max_tokens: int | None, seed: int | None,
+                        stats: UtteranceStats, chunks: asyncio.Queue[Any], generated: asyncio.Event) -> None:
+        """Generate, parse and decode one sentence into `chunks`; set `generated` when the engine is done."""
+        cfg = self.config
+        parser = AudioTokenParser()
+        windower = StreamWindower(cfg.decode_context_frames, cfg.decode_lookahead_frames, cfg.decode_hop_frames)
+        first = True
+        decodes: list[asyncio.Future[np.ndarray]] = []
+        try:
+            prompt = build_prompt(self.tokenizer, voice, sentence)
+            async for token_ids in self.engine.generate(prompt, max_tokens=max_tokens, seed=seed):
+                if stats.first_token_at is None:
+                    stats.first_token_at = time.monotonic()
+                stats.tokens += len(token_ids)
+                frames = parser.feed(token_ids)
+                # Windows are decoded concurrently with generation; results are queued in order below.
+                decodes += [asyncio.ensure_future(self.decoder.decode(w)) for w in windower.push(frames)]
+                while decodes and decodes[0].done():
+                    first = self._put(chunks, decodes.pop(0).result(), index, sentence, first, stats, last=False)
+            generated.set()
+            parser.finish()
+            decodes += [asyncio.ensure_future(self.decoder.decode(w)) for w in windower.push([], final=True)]
+            for i, fut in enumerate(decodes):
+                first = self._put(chunks, await fut, index, sentence, first, stats, last=i == len(decodes) - 1)
+        except BaseException as exc:
+            generated.set()
+            for fut in decodes:
+                fut.cancel()
+            if not isinstance(exc, asyncio.CancelledError):
+                chunks.put_nowait(exc)
+            raise
+        finally:
+            stats.frames += parser.stats.frames
+            stats.ignored_ids += parser.stats.ignored_ids
+            stats.dropped_tokens += parser.stats.dropped_tokens
+            chunks.put_nowait(_END)
+
+    def _put(self, chunks: asyncio.Queue[Any], pcm: np.ndarray, index: int, sentence: str, first: bool,
+             stats: UtteranceStats, last: bool) -> bool:
+        if len(pcm) == 0:
+            return first
+        if self._fade_samples and (first or last):
+            pcm = pcm.copy()
+            n = min(self._fade_samples, len(pcm))
+            ramp = np.linspace(0.0, 1.0, n, dtype=np.float32)
+            if first and index > 0:  # the first sentence starts from Orpheus' own silence
+                pcm[:n] = (pcm[:n] * ramp).astype(np.int16)
+            if last:
+                pcm[-n:] = (pcm[-n:] * ramp[::-1]).astype(np.int16)
+        if stats.first_audio_at is None:
+            stats.first_audio_at = time.monotonic()
+        stats.samples += len(pcm)
+        chunks.put_nowait(AudioChunk(pcm, index, sentence, first))
+        return False
+
+
+async def _aiter(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item

@@ -1,0 +1,471 @@
+"""Tests for gateway.playout: frame format, pacing, resampling, jitter buffer, events."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from fractions import Fraction
+
+import av
+import numpy as np
+import pytest
+from aiortc.codecs.opus import OpusEncoder
+from aiortc.mediastreams import MediaStreamError
+from aiortc.rtp import compute_audio_level_dbov
+
+from gateway.playout import (
+    FRAME_MS,
+    FRAME_SAMPLES,
+    MAX_JITTER_BUFFER_MS,
+    SAMPLE_RATE_IN,
+    SAMPLE_RATE_OUT,
+    PlayoutEvent,
+    PlayoutEventKind,
+    PlayoutTrack,
+)
+
+RATIO = SAMPLE_RATE_OUT // SAMPLE_RATE_IN
+AMPLITUDE = 10000
+
+
+def ms_of_pcm(ms: int, value: int = AMPLITUDE) -> np.ndarray:
+    """Constant non-zero PCM at 24 kHz: easy to tell apart from silence."""
+    return np.full(SAMPLE_RATE_IN * ms // 1000, value, dtype=np.int16)
+
+
+def sine(n: int, freq: float = 1000.0, rate: int = SAMPLE_RATE_IN) -> np.ndarray:
+    t = np.arange(n) / rate
+    return np.round(AMPLITUDE * np.sin(2 * np.pi * freq * t)).astype(np.int16)
+
+
+def samples_of(frame: av.AudioFrame) -> np.ndarray:
+    return frame.to_ndarray().reshape(-1)
+
+
+def is_silent(frame: av.AudioFrame) -> bool:
+    return not samples_of(frame).any()
+
+
+def kinds(events: list[PlayoutEvent]) -> list[str]:
+    return [e.kind.value if e.label is None else f"{e.kind.value}:{e.label}" for e in events]
+
+
+def _stall_event_loop(seconds: float) -> None:
+    # Deliberately blocks the loop, like a slow synchronous call in a real server.
+    time.sleep(seconds)
+
+
+async def drain(track: PlayoutTrack, events: list[PlayoutEvent], utterance_id: str, limit: int = 10_000) -> list:
+    """recv until `utterance_id` finishes; return its frames' samples."""
+    out = []
+    for _ in range(limit):
+        frame = await track.recv()
+        out.append(samples_of(frame))
+        if any(e.kind is PlayoutEventKind.FINISHED and e.utterance_id == utterance_id for e in events):
+            return out
+    raise AssertionError(f"{utterance_id} never finished")
+
+
+# ---------------------------------------------------------------- format
+
+
+@pytest.mark.asyncio
+async def test_frame_format_and_pts() -> None:
+    track = PlayoutTrack(pace=False)
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", sine(SAMPLE_RATE_IN // 10))
+    track.end_utterance("u")
+    encoder = OpusEncoder()
+    for i in range(10):  # audio frames, then silence frames
+        frame = await track.recv()
+        assert frame.format.name == "s16"
+        assert frame.layout.name == "mono"
+        assert frame.samples == FRAME_SAMPLES == 960
+        assert frame.sample_rate == SAMPLE_RATE_OUT == 48000
+        assert frame.time_base == Fraction(1, 48000)
+        assert frame.pts == i * FRAME_SAMPLES
+        assert frame.planes[0].buffer_size == FRAME_SAMPLES * 2
+        # The exact consumers aiortc runs on every frame must accept it.
+        compute_audio_level_dbov(frame)
+        encoder.encode(frame)
+    payloads, _ = encoder.encode(await track.recv())
+    assert payloads and all(payloads)
+
+
+# ---------------------------------------------------------------- pacing
+
+
+@pytest.mark.asyncio
+async def test_real_pacing_20ms_without_bursts() -> None:
+    track = PlayoutTrack()
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", ms_of_pcm(200))  # audio and then silence: both paced
+    stamps = []
+    for _ in range(26):
+        await track.recv()
+        stamps.append(time.monotonic())
+    gaps = np.diff(stamps)
+    assert 0.018 <= gaps.mean() <= 0.024, gaps
+    assert gaps.min() >= 0.010, gaps  # never a burst
+    assert 0.48 <= stamps[-1] - stamps[0] <= 0.56
+
+
+@pytest.mark.asyncio
+async def test_reanchors_after_a_stall_instead_of_bursting() -> None:
+    track = PlayoutTrack()
+    for _ in range(3):
+        await track.recv()
+    _stall_event_loop(0.1)  # 5 frames late
+    t0 = time.monotonic()
+    await track.recv()  # late already: returned at once, clock re-anchored
+    t1 = time.monotonic()
+    await track.recv()
+    await track.recv()
+    t3 = time.monotonic()
+    assert t1 - t0 < 0.010
+    assert track.stats().reanchors == 1
+    assert t3 - t1 >= 0.035  # two more full periods, not a backlog burst
+
+
+@pytest.mark.asyncio
+async def test_clear_while_recv_sleeps_silences_that_frame() -> None:
+    track = PlayoutTrack()
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", ms_of_pcm(500))
+    assert not is_silent(await track.recv())
+    pending = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0.005)  # recv is now sleeping until its slot
+    assert track.clear() == ["u"]
+    assert is_silent(await pending)
+
+
+# ---------------------------------------------------------------- silence / resampling
+
+
+@pytest.mark.asyncio
+async def test_silence_when_nothing_queued() -> None:
+    track = PlayoutTrack(pace=False)
+    for _ in range(5):
+        assert is_silent(await track.recv())
+    stats = track.stats()
+    assert (stats.frames_sent, stats.silence_frames, stats.underruns) == (5, 5, 0)
+
+
+@pytest.mark.asyncio
+async def test_resampled_sine_keeps_frequency_and_sample_count() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    rng = np.random.default_rng(1)
+    n_in = 12_345  # not a multiple of anything relevant
+    pcm = sine(n_in)
+    track.begin_utterance("u", 0)
+    pos = 0
+    while pos < n_in:  # many odd-sized chunks, some of 1 sample
+        step = int(rng.integers(1, 700))
+        track.push_pcm("u", pcm[pos : pos + step])
+        pos += step
+    track.end_utterance("u")
+    out = np.concatenate(await drain(track, events, "u"))
+
+    n_out = n_in * RATIO
+    assert len(out) == math.ceil(n_out / FRAME_SAMPLES) * FRAME_SAMPLES
+    assert not out[n_out:].any()  # only zero padding after the audio
+    audio = out[:n_out]
+    # Same waveform at twice the rate, time-aligned (no offset from the filter delay).
+    expected = sine(n_out, rate=SAMPLE_RATE_OUT).astype(np.float64)
+    edge = 64  # filter start-up/tail transients
+    err = np.abs(audio[edge:-edge] - expected[edge:-edge])
+    assert err.max() < 0.02 * AMPLITUDE
+    spectrum = np.abs(np.fft.rfft(audio))
+    peak_hz = np.argmax(spectrum) * SAMPLE_RATE_OUT / n_out
+    assert abs(peak_hz - 1000.0) < 5.0
+    assert events[-1].audio_ms == len(out) * 1000 // SAMPLE_RATE_OUT
+
+
+@pytest.mark.asyncio
+async def test_no_samples_lost_or_smeared_across_utterances() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    lengths = {"a": 7_777, "b": 331, "c": 5_000}
+    for uid, n in lengths.items():
+        track.begin_utterance(uid, 0)
+        # "b" is silence: any tail of "a" leaking into it would show up.
+        track.push_pcm(uid, sine(n) if uid != "b" else np.zeros(n, dtype=np.int16))
+        track.end_utterance(uid)
+    per_utt = {uid: np.concatenate(await drain(track, events, uid)) for uid in lengths}
+    for uid, n in lengths.items():
+        n_out = n * RATIO
+        assert len(per_utt[uid]) == math.ceil(n_out / FRAME_SAMPLES) * FRAME_SAMPLES
+        assert not per_utt[uid][n_out:].any()
+    assert not per_utt["b"].any()
+    assert np.abs(per_utt["c"][: 4 * FRAME_SAMPLES]).max() > AMPLITUDE // 2
+    # Played back to back: no silence frames between the three utterances.
+    assert track.stats().silence_frames == 0
+
+
+# ---------------------------------------------------------------- jitter buffer
+
+
+@pytest.mark.asyncio
+async def test_jitter_buffer_waits_for_configured_audio() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    track.begin_utterance("u", 500)
+    track.push_pcm("u", ms_of_pcm(400))
+    for _ in range(5):
+        assert is_silent(await track.recv())
+    assert events == []
+    assert track.stats().queued_ms >= 380
+    track.push_pcm("u", ms_of_pcm(100))
+    assert not is_silent(await track.recv())
+    assert kinds(events) == ["started"]
+    assert track.stats().underruns == 0  # pre-roll silence is not an underrun
+
+
+@pytest.mark.asyncio
+async def test_ended_short_utterance_plays_at_once() -> None:
+    track = PlayoutTrack(pace=False)
+    track.begin_utterance("u", 2000)
+    track.push_pcm("u", ms_of_pcm(100))
+    assert is_silent(await track.recv())
+    track.end_utterance("u")
+    assert not is_silent(await track.recv())
+
+
+@pytest.mark.asyncio
+async def test_zero_jitter_buffer_starts_with_first_frame() -> None:
+    track = PlayoutTrack(pace=False)
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", ms_of_pcm(40))
+    assert not is_silent(await track.recv())
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_JITTER_BUFFER_MS + 1, float("nan"), True])
+def test_jitter_buffer_out_of_range_raises(bad: float) -> None:
+    track = PlayoutTrack(pace=False)
+    with pytest.raises(ValueError, match="jitter_buffer_ms"):
+        track.begin_utterance("u", bad)
+    track.begin_utterance("lo", 0)
+    track.begin_utterance("hi", MAX_JITTER_BUFFER_MS)
+
+
+def test_input_validation() -> None:
+    track = PlayoutTrack(pace=False)
+    track.begin_utterance("u", 0)
+    with pytest.raises(ValueError, match="already queued"):
+        track.begin_utterance("u", 0)
+    with pytest.raises(ValueError, match="int16"):
+        track.push_pcm("u", np.zeros(10, dtype=np.float32))
+    with pytest.raises(ValueError, match="mono"):
+        track.push_pcm("u", np.zeros((2, 10), dtype=np.int16))
+    assert track.push_pcm("u", np.zeros((10, 1), dtype=np.int16))
+    assert track.push_pcm("u", np.zeros(0, dtype=np.int16))
+    assert not track.push_pcm("never-begun", ms_of_pcm(20))
+    track.end_utterance("u")
+    with pytest.raises(ValueError, match="ended"):
+        track.push_pcm("u", ms_of_pcm(20))
+
+
+# ---------------------------------------------------------------- underruns
+
+
+@pytest.mark.asyncio
+async def test_underrun_counted_only_mid_utterance() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    for _ in range(3):  # idle before anything: not an underrun
+        await track.recv()
+    track.begin_utterance("u", 0)
+    for _ in range(2):  # begun but empty (pre-roll): not an underrun
+        await track.recv()
+    assert track.stats().underruns == 0
+
+    track.push_pcm("u", ms_of_pcm(100))  # 4 whole frames ready (resampler holds ~0.7 ms)
+    played = [not is_silent(await track.recv()) for _ in range(7)]
+    assert played == [True] * 4 + [False] * 3
+    stats = track.stats()
+    assert (stats.underruns, stats.underrun_ms) == (1, 3 * FRAME_MS)
+
+    track.push_pcm("u", ms_of_pcm(100))
+    track.end_utterance("u")
+    await drain(track, events, "u")
+    finished = events[-1]
+    assert finished.kind is PlayoutEventKind.FINISHED
+    assert (finished.underruns, finished.underrun_ms) == (1, 3 * FRAME_MS)
+    assert finished.audio_ms == 200
+
+    for _ in range(3):  # after the end: not an underrun either
+        await track.recv()
+    assert track.stats().underruns == 1
+    assert track.stats().underrun_ms == 3 * FRAME_MS
+
+
+# ---------------------------------------------------------------- events
+
+
+@pytest.mark.asyncio
+async def test_markers_fire_with_the_frame_after_them() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False, clock=lambda: 42.0)
+    track.begin_utterance("u", 0)
+    track.mark("u", "s0", {"sentence": 0})
+    track.push_pcm("u", ms_of_pcm(100))  # frames 0-4
+    track.mark("u", "s1", {"sentence": 1})  # -> frame 5
+    track.push_pcm("u", ms_of_pcm(90))  # frames 5-9 (last one padded)
+    track.mark("u", "end")  # after all audio: with the last frame
+    track.end_utterance("u")
+    per_frame = []
+    for _ in range(11):
+        events.clear()
+        await track.recv()
+        per_frame.append(kinds(events))
+    assert per_frame[0] == ["started", "marker:s0"]
+    assert per_frame[5] == ["marker:s1"]
+    assert per_frame[9] == ["marker:end", "finished"]
+    assert all(not k for i, k in enumerate(per_frame) if i not in (0, 5, 9))
+
+
+@pytest.mark.asyncio
+async def test_event_fields() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False, clock=lambda: 42.0)
+    track.begin_utterance("u", 0)
+    track.mark("u", "s0", {"sentence": 0})
+    track.push_pcm("u", ms_of_pcm(20))
+    track.end_utterance("u")
+    await drain(track, events, "u")
+    started, marker, finished = events
+    assert started == PlayoutEvent(PlayoutEventKind.STARTED, "u", 42.0)
+    assert marker.kind == "marker" and marker.label == "s0" and marker.data == {"sentence": 0}
+    assert finished.kind == "finished" and finished.audio_ms == FRAME_MS  # 480 in -> exactly 960 out after the flush
+
+
+@pytest.mark.asyncio
+async def test_empty_ended_utterance_still_reports_start_and_finish() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    track.begin_utterance("empty", 500)
+    track.end_utterance("empty")
+    assert is_silent(await track.recv())
+    assert kinds(events) == ["started", "finished"]
+    assert events[-1].audio_ms == 0
+
+
+@pytest.mark.asyncio
+async def test_raising_callback_does_not_break_recv() -> None:
+    calls: list[PlayoutEvent] = []
+
+    def bad(event: PlayoutEvent) -> None:
+        calls.append(event)
+        raise RuntimeError("session bug")
+
+    track = PlayoutTrack(bad, pace=False)
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", ms_of_pcm(60))
+    track.end_utterance("u")
+    for _ in range(5):
+        await track.recv()
+    assert kinds(calls) == ["started", "finished"]
+    assert track.stats().callback_errors == 2
+
+
+@pytest.mark.asyncio
+async def test_internal_error_degrades_to_silence() -> None:
+    track = PlayoutTrack(pace=False)
+
+    def broken() -> bytes:
+        raise RuntimeError("bug")
+
+    track._next_payload = broken  # type: ignore[method-assign]
+    frame = await track.recv()
+    assert is_silent(frame) and frame.samples == FRAME_SAMPLES
+    assert track.stats().errors == 1
+    assert track.readyState == "live"
+
+
+@pytest.mark.asyncio
+async def test_callback_may_reenter_the_track() -> None:
+    track: PlayoutTrack
+
+    def on_event(event: PlayoutEvent) -> None:
+        if event.label == "stop-here":
+            track.clear()
+
+    track = PlayoutTrack(on_event, pace=False)
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", ms_of_pcm(40))
+    track.mark("u", "stop-here")
+    track.push_pcm("u", ms_of_pcm(200))
+    audible = [not is_silent(await track.recv()) for _ in range(4)]
+    assert audible == [True, True, True, False]  # the frame after the marker still plays
+
+
+# ---------------------------------------------------------------- clear / stop
+
+
+@pytest.mark.asyncio
+async def test_clear_all_stops_audio_on_next_frame() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    for uid in ("a", "b"):
+        track.begin_utterance(uid, 0)
+        track.push_pcm(uid, ms_of_pcm(1000))
+        track.end_utterance(uid)
+    for _ in range(3):
+        assert not is_silent(await track.recv())
+    assert track.clear() == ["a", "b"]
+    for _ in range(3):
+        assert is_silent(await track.recv())
+    assert kinds(events) == ["started"]  # no finished for dropped utterances
+    stats = track.stats()
+    assert (stats.queued_ms, stats.queued_utterances, stats.underruns) == (0, 0, 0)
+    assert not track.push_pcm("a", ms_of_pcm(20))  # late TTS chunks are ignored
+    assert track.clear() == []
+
+
+@pytest.mark.asyncio
+async def test_clear_one_utterance() -> None:
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    for uid in ("a", "b", "c"):
+        track.begin_utterance(uid, 0)
+        track.push_pcm(uid, ms_of_pcm(100, value=ord(uid)))
+        track.end_utterance(uid)
+    assert samples_of(await track.recv())[0] == ord("a")
+    assert track.clear("b") == ["b"]  # queued one: "a" keeps playing
+    assert samples_of(await track.recv())[0] == ord("a")
+    assert track.playing_utterance_id == "a"
+    assert track.clear("a") == ["a"]  # the playing one: next frame is silence
+    assert is_silent(await track.recv())
+    assert samples_of(await track.recv())[0] == ord("c")
+    assert track.clear("nope") == []
+    assert "finished" not in kinds(events)
+
+
+@pytest.mark.asyncio
+async def test_stop_releases_and_recv_raises() -> None:
+    track = PlayoutTrack(pace=False)
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", ms_of_pcm(100))
+    await track.recv()
+    track.stop()
+    assert track.readyState == "ended"
+    assert track.stats().queued_ms == 0 and track.stats().queued_utterances == 0
+    with pytest.raises(MediaStreamError):
+        await track.recv()
+    assert not track.push_pcm("u", ms_of_pcm(20))
+    with pytest.raises(MediaStreamError):
+        track.begin_utterance("v", 0)
+    track.stop()  # idempotent
+
+
+@pytest.mark.asyncio
+async def test_stop_during_paced_recv_raises() -> None:
+    track = PlayoutTrack()
+    await track.recv()
+    pending = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0.005)
+    track.stop()
+    with pytest.raises(MediaStreamError):
+        await pending

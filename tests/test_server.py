@@ -1,0 +1,122 @@
+"""HTTP routes on the real engine: health, voices, streaming speech, metrics, bad bodies."""
+
+from __future__ import annotations
+
+import io
+import json
+import wave
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.config import GatewayConfig
+from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
+from gateway.server import create_app
+from gateway.synthesizer import Synthesizer
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="session")
+async def client(test_config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[TestClient]:
+    app = create_app(test_config, synthesizer)
+    async with TestClient(TestServer(app)) as test_client:
+        yield test_client
+
+
+async def error_of(resp) -> dict:  # type: ignore[no-untyped-def]
+    assert resp.content_type == "application/json"
+    body = await resp.json()
+    assert set(body["error"]) == {"code", "message"}
+    return body["error"]
+
+
+async def test_health_and_ready(client: TestClient) -> None:
+    assert (await client.get("/healthz")).status == 200
+    resp = await client.get("/readyz")
+    assert resp.status == 200
+    assert (await resp.json())["status"] == "ready"
+
+
+async def test_voices(client: TestClient) -> None:
+    body = await (await client.get("/v1/voices")).json()
+    assert body["voices"][:2] == ["tara", "leah"]
+    assert body["default"] == "tara"
+
+
+async def test_speech_wav_is_valid(client: TestClient) -> None:
+    resp = await client.post("/v1/audio/speech", json={"model": "orpheus", "input": "Good morning!", "voice": "tara",
+                                                       "response_format": "wav", "speed": 1.0})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"] == "audio/wav"
+    data = await resp.read()
+    with wave.open(io.BytesIO(data)) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
+        frames = wav.readframes(10**9)
+    assert len(frames) > 0 and len(frames) % (2 * SAMPLES_PER_FRAME) == 0
+
+
+async def test_speech_streams_before_generation_ends(client: TestClient, synthesizer: Synthesizer) -> None:
+    """The first audio bytes reach the client while the engine is still generating the same request."""
+    resp = await client.post("/v1/audio/speech",
+                             json={"input": "A sentence long enough to still be generating.", "response_format": "pcm"})
+    assert resp.status == 200
+    assert resp.headers["X-Sample-Rate"] == str(SAMPLE_RATE)
+    first = await resp.content.readany()
+    assert len(first) > 0
+    still_generating = synthesizer.engine.in_flight == 1
+    rest = await resp.read()
+    assert still_generating, "first bytes arrived only after generation ended"
+    assert (len(first) + len(rest)) % (2 * SAMPLES_PER_FRAME) == 0
+
+
+async def test_client_disconnect_aborts_request(client: TestClient, synthesizer: Synthesizer) -> None:
+    resp = await client.post("/v1/audio/speech", json={"input": "Never mind this one.", "response_format": "pcm"})
+    await resp.content.readany()
+    resp.close()
+    from tests.test_synthesizer import wait_until
+
+    await wait_until(lambda: synthesizer.engine.in_flight == 0)
+    await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_json"),
+        (json.dumps({}).encode(), 400, "missing_input"),
+        (json.dumps({"input": ""}).encode(), 400, "empty_text"),
+        (json.dumps({"input": 5}).encode(), 400, "invalid_text"),
+        (json.dumps({"input": "hi", "voice": "nobody"}).encode(), 400, "unknown_voice"),
+        (json.dumps({"input": "hi", "voice": 3}).encode(), 400, "invalid_voice"),
+        (json.dumps({"input": "hi", "response_format": "mp3"}).encode(), 400, "invalid_response_format"),
+        (json.dumps({"input": "hi", "speed": "fast"}).encode(), 400, "invalid_speed"),
+        (json.dumps({"input": "x" * 5000}).encode(), 400, "text_too_long"),
+        (json.dumps({"input": "x" * 70000}).encode(), 413, "body_too_large"),
+        (b"\xff\xfe\x00garbage", 400, "invalid_json"),
+    ],
+)
+async def test_speech_bad_bodies(client: TestClient, body: bytes, status: int, code: str) -> None:
+    resp = await client.post("/v1/audio/speech", data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == status
+    assert (await error_of(resp))["code"] == code
+
+
+async def test_unknown_route_and_method_are_json(client: TestClient) -> None:
+    resp = await client.get("/nope")
+    assert resp.status == 404
+    assert (await error_of(resp))["code"] == "not_found"
+    resp = await client.get("/v1/audio/speech")
+    assert resp.status == 405
+    assert (await error_of(resp))["code"] == "method_not_allowed"
+
+
+async def test_metrics_exposes_speech_figures(client: TestClient) -> None:
+    await (await client.post("/v1/audio/speech", json={"input": "Count me."})).read()
+    text = await (await client.get("/metrics")).text()
+    assert 'orpheus_speech_requests_total{status="200"}' in text
+    count = next(line for line in text.splitlines() if line.startswith("orpheus_snac_batch_size_count"))
+    assert float(count.split()[1]) > 0
+    assert "orpheus_engine_requests_in_flight 0.0" in text

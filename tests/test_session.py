@@ -1,0 +1,294 @@
+"""WebRTC sessions end to end: real aiortc peers over loopback, the real engine on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.client import HeadlessPeer
+from gateway.config import GatewayConfig
+from gateway.http import GATEWAY_KEY
+from gateway.playout import PlayoutEventKind
+from gateway.server import Gateway, create_app
+from gateway.session import MAX_MESSAGE_BYTES, Session
+from gateway.synthesizer import Synthesizer
+from tests.test_synthesizer import wait_until
+
+pytestmark = pytest.mark.engine
+
+LONG_TEXT = " ".join(f"This is sentence number {i} of a long lesson." for i in range(12))
+
+
+@pytest.fixture(scope="module")
+async def server(test_config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[TestServer]:
+    app = create_app(test_config, synthesizer)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server()
+    yield test_server
+    await test_server.close()
+
+
+@pytest.fixture()
+def base_url(server: TestServer) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+@pytest.fixture()
+def gateway(server: TestServer) -> Gateway:
+    return server.app[GATEWAY_KEY]
+
+
+@pytest.fixture()
+async def peer(base_url: str) -> AsyncIterator[HeadlessPeer]:
+    p = HeadlessPeer(base_url, jitter_buffer_ms=0)
+    await p.connect()
+    yield p
+    await p.close()
+
+
+def session_of(gateway: Gateway, peer: HeadlessPeer) -> Session:
+    return gateway.sessions.sessions[peer.session_id]
+
+
+async def test_ready_event(peer: HeadlessPeer) -> None:
+    ready = peer.find("ready")[0].message
+    assert ready["sample_rate"] == 48000
+    assert "tara" in ready["voices"]
+    assert ready["session_id"] == peer.session_id
+
+
+async def test_speak_plays_audio_and_events_in_order(peer: HeadlessPeer) -> None:
+    peer.speak("u1", "Hello student. Let us begin.")
+    queued = await peer.wait_event("queued", "u1")
+    started = await peer.wait_event("started", "u1")
+    done = await peer.wait_event("done", "u1")
+    assert queued["position"] == 0
+    assert peer.event_time("started", "u1") <= peer.event_time("done", "u1")
+    assert started["ttfa_ms"] > 0
+    assert done["audio_ms"] > 0 and done["audio_ms"] % 20 == 0
+    segments = [e.message for e in peer.find("segment", "u1")]
+    assert [s["index"] for s in segments] == list(range(len(segments))) and segments[0]["text"] == "Hello student."
+    await asyncio.sleep(0.3)  # the last frames are still in flight when `done` is sent
+    t0, t1 = peer.event_time("started", "u1"), peer.event_time("done", "u1")
+    audible = peer.audible_frames(since=t0 - 0.05, until=t1 + 0.3)
+    assert len(audible) * 20 >= 0.5 * done["audio_ms"], "most of the utterance arrived as audible audio"
+
+
+async def test_rtp_frames_are_evenly_paced(peer: HeadlessPeer) -> None:
+    """The track sends one 20 ms frame per 20 ms, silence included: no stalls, no bursts."""
+    await asyncio.sleep(1.5)
+    times = np.array([f.at for f in peer.frames[-50:]])
+    gaps = np.diff(times)
+    assert len(gaps) >= 40
+    assert 0.017 < float(np.mean(gaps)) < 0.024
+    assert float(np.max(gaps)) < 0.12, "no stall in the RTP stream"
+    assert all(f.samples == 960 for f in peer.frames[-50:])
+
+
+async def test_cancel_stops_audio_and_aborts_engine(peer: HeadlessPeer, gateway: Gateway) -> None:
+    engine = gateway.synthesizer.engine
+    peer.speak("long", LONG_TEXT)
+    await peer.wait_event("started", "long")
+    await asyncio.sleep(0.3)
+    assert engine.in_flight == 1
+    peer.cancel()
+    await peer.wait_event("cancelled", "long")
+    cancelled_at = peer.event_time("cancelled", "long")
+    await wait_until(lambda: engine.in_flight == 0, timeout=5)
+    await wait_until(lambda: engine.unfinished_requests() == 0, timeout=5)
+    await asyncio.sleep(0.5)
+    # The server stops within one frame; allow the receive path's own buffering on top.
+    assert not peer.audible_frames(since=cancelled_at + 0.25), "audio continued after cancel"
+    assert not peer.find("done", "long")
+
+
+async def test_interrupt_replaces_current_utterance(peer: HeadlessPeer) -> None:
+    peer.speak("first", LONG_TEXT)
+    await peer.wait_event("started", "first")
+    peer.speak("second", "Short answer.", interrupt=True)
+    await peer.wait_event("cancelled", "first")
+    await peer.wait_event("done", "second")
+    assert not peer.find("done", "first")
+
+
+async def test_queued_utterances_play_in_order(peer: HeadlessPeer) -> None:
+    for i in range(3):
+        peer.speak(f"q{i}", f"Queued phrase {i}.")
+    for i in range(3):
+        await peer.wait_event("done", f"q{i}")
+    starts = [peer.event_time("started", f"q{i}") for i in range(3)]
+    assert starts == sorted(starts)
+    assert [e.message["position"] for e in peer.find("queued") if e.message["id"].startswith("q")][0] == 0
+
+
+async def test_cancel_named_queued_utterance(peer: HeadlessPeer) -> None:
+    peer.speak("a", LONG_TEXT)
+    peer.speak("b", "Second.")
+    peer.speak("c", "Third.")
+    await peer.wait_event("queued", "c")
+    peer.cancel("b")
+    await peer.wait_event("cancelled", "b")
+    peer.cancel("a")
+    await peer.wait_event("done", "c")
+    assert not peer.find("started", "b")
+
+
+async def test_streamed_text_in_pieces(peer: HeadlessPeer) -> None:
+    """An LLM writing the lesson: sentences start as soon as they are complete; the last piece closes."""
+    peer.speak("s", "Today we learn ", more=True)
+    peer.speak("s", "colours. Red is vermelho. ", more=True)
+    await peer.wait_event("started", "s")  # the first sentence plays before the text is complete
+    peer.speak("s", "Blue is azul.")
+    await peer.wait_event("done", "s")
+    texts = [e.message["text"] for e in peer.find("segment", "s")]
+    assert texts == ["Today we learn colours.", "Red is vermelho.", "Blue is azul."]
+
+
+async def test_eight_peers_each_hear_their_own(base_url: str, gateway: Gateway) -> None:
+    peers = [HeadlessPeer(base_url, jitter_buffer_ms=0) for _ in range(8)]
+    await asyncio.gather(*(p.connect() for p in peers))
+    try:
+        for i, p in enumerate(peers):
+            p.speak(f"peer{i}", f"I am student number {i}.")
+        await asyncio.gather(*(p.wait_event("done", f"peer{i}", timeout=120) for i, p in enumerate(peers)))
+        for i, p in enumerate(peers):
+            ids = {e.message.get("id") for e in p.events if "id" in e.message}
+            assert ids == {f"peer{i}"}, "no peer receives another's events"
+            assert p.audible_frames(), "every peer received audio"
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gateway: Gateway) -> None:
+    """With 500 ms, playback starts only once 500 ms of the utterance is queued (or it is complete)."""
+    peer = HeadlessPeer(base_url, jitter_buffer_ms=500)
+    await peer.connect()
+    seen: dict[str, tuple[int, bool]] = {}
+    session = session_of(gateway, peer)
+    original = session._on_playout_event
+
+    def spy(event):  # type: ignore[no-untyped-def]
+        if event.kind is PlayoutEventKind.STARTED:
+            utterance = session._utterances[event.utterance_id]
+            seen[event.utterance_id] = (utterance.stats.samples, utterance.stats.finished_at is not None)
+        original(event)
+
+    session.track._on_event = spy
+    try:
+        peer.speak("jb", "Wait for the buffer to fill before playing. Then keep going.")
+        await peer.wait_event("done", "jb", timeout=120)
+        samples, complete = seen["jb"]
+        assert complete or samples >= 0.5 * 24000
+    finally:
+        await peer.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("not json", "invalid_json"),
+        ("[1, 2]", "invalid_message"),
+        (json.dumps({"type": "dance"}), "unknown_type"),
+        (json.dumps({"text": "no type"}), "unknown_type"),
+        (json.dumps({"type": "speak", "text": "no id"}), "invalid_message"),
+        (json.dumps({"type": "speak", "id": 5, "text": "x"}), "invalid_message"),
+        (json.dumps({"type": "speak", "id": "", "text": "x"}), "invalid_message"),
+        (json.dumps({"type": "speak", "id": "x"}), "invalid_message"),
+        (json.dumps({"type": "speak", "id": "x", "text": ""}), "empty_text"),
+        (json.dumps({"type": "speak", "id": "x", "text": "hi", "voice": "nobody"}), "unknown_voice"),
+        (json.dumps({"type": "speak", "id": "x", "text": "hi", "interrupt": "yes"}), "invalid_message"),
+        (json.dumps({"type": "speak", "id": "x", "text": "y" * 5000}), "text_too_long"),
+        (json.dumps({"type": "cancel", "id": "nothing-here"}), "unknown_id"),
+        ("x" * (MAX_MESSAGE_BYTES + 1), "message_too_large"),
+        (b"\x00\x01binary", "invalid_message"),
+    ],
+)
+async def test_bad_messages_get_error_events(peer: HeadlessPeer, message: str | bytes, code: str) -> None:
+    peer.send(message)
+    error = await peer.wait_event("error", timeout=10)
+    assert error["code"] == code
+    assert error["message"]
+    peer.send({"type": "ping"})
+    await peer.wait_event("pong", timeout=10)  # the session survived
+
+
+async def test_duplicate_id_rejected(peer: HeadlessPeer) -> None:
+    peer.speak("dup", "Once.")
+    await peer.wait_event("queued", "dup")
+    peer.speak("dup", "Twice.")
+    error = await peer.wait_event("error", "dup")
+    assert error["code"] == "duplicate_id"
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"not json", 400),
+        (json.dumps({"type": "offer"}).encode(), 400),
+        (json.dumps({"sdp": "garbage", "type": "offer"}).encode(), 400),
+        (json.dumps({"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\nm=application 9 x\r\n",
+                     "type": "offer"}).encode(), 400),
+        (json.dumps({"sdp": "v=0", "type": "answer"}).encode(), 400),
+        (json.dumps({"sdp": 5, "type": "offer"}).encode(), 400),
+        (b"x" * 200_000, 413),
+    ],
+)
+async def test_bad_offers(base_url: str, body: bytes, status: int) -> None:
+    async with aiohttp.ClientSession() as http, http.post(f"{base_url}/v1/webrtc/offer", data=body) as resp:
+        assert resp.status == status
+        payload = await resp.json()
+        assert payload["error"]["code"] and payload["error"]["message"]
+
+
+async def test_bad_offer_fields(base_url: str) -> None:
+    peer = HeadlessPeer(base_url, jitter_buffer_ms=99999)
+    with pytest.raises(Exception, match="invalid_jitter_buffer"):
+        await peer.connect()
+    await peer.close()
+    peer = HeadlessPeer(base_url, voice="nobody")
+    with pytest.raises(Exception, match="unknown_voice"):
+        await peer.connect()
+    await peer.close()
+
+
+async def test_closed_peer_leaves_nothing_behind(base_url: str, gateway: Gateway) -> None:
+    engine = gateway.synthesizer.engine
+    await asyncio.sleep(0.2)
+    sessions_before = len(gateway.sessions.sessions)
+    tasks_before = len(asyncio.all_tasks())
+    peer = HeadlessPeer(base_url, jitter_buffer_ms=0)
+    await peer.connect()
+    peer.speak("gone", LONG_TEXT)
+    await peer.wait_event("started", "gone")
+    assert engine.in_flight == 1
+    await peer.close()
+    await wait_until(lambda: len(gateway.sessions.sessions) == sessions_before, timeout=30)
+    await wait_until(lambda: engine.in_flight == 0 and engine.unfinished_requests() == 0, timeout=10)
+    await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before, timeout=10)
+
+
+async def test_delete_session(base_url: str, gateway: Gateway) -> None:
+    peer = HeadlessPeer(base_url)
+    await peer.connect()
+    async with aiohttp.ClientSession() as http:
+        async with http.delete(f"{base_url}/v1/webrtc/sessions/{peer.session_id}") as resp:
+            assert resp.status == 204
+        async with http.delete(f"{base_url}/v1/webrtc/sessions/{peer.session_id}") as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["code"] == "unknown_session"
+    assert peer.session_id not in gateway.sessions.sessions
+    await peer.close()
+
+
+async def test_metrics_count_sessions_and_utterances(base_url: str) -> None:
+    async with aiohttp.ClientSession() as http, http.get(f"{base_url}/metrics") as resp:
+        text = await resp.text()
+    assert "orpheus_sessions_active" in text
+    assert 'orpheus_utterances_total{outcome="done"}' in text
+    assert 'orpheus_time_to_first_audio_seconds_count{path="webrtc"}' in text

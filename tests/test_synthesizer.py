@@ -1,0 +1,135 @@
+"""The synthesis core end to end on the real vLLM engine (CPU) and the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from gateway.engine import EngineDeadError, EngineState
+from gateway.orpheus import SAMPLES_PER_FRAME, build_prompt
+from gateway.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
+
+pytestmark = pytest.mark.engine
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_engine_emits_audio_tokens_in_slot_order(synthesizer: Synthesizer) -> None:
+    prompt = build_prompt(synthesizer.tokenizer, "tara", "Hello.")
+    ids: list[int] = []
+    async for delta in synthesizer.engine.generate(prompt, max_tokens=70, seed=1):
+        ids += delta
+    assert 7 <= len(ids) <= 70
+    audio = [i for i in ids if i != 128258]
+    assert [(i - 128266) // 4096 for i in audio] == [k % 7 for k in range(len(audio))]
+
+
+async def test_stream_every_frame_becomes_audio(synthesizer: Synthesizer) -> None:
+    """First and last frames are emitted: samples == frames * 2048 exactly."""
+    stats = UtteranceStats()
+    chunks = [c async for c in synthesizer.utterance("Hello there.", "tara", seed=3, stats=stats)]
+    assert stats.frames >= 1
+    assert stats.samples == stats.frames * SAMPLES_PER_FRAME
+    pcm = np.concatenate([c.pcm for c in chunks])
+    assert pcm.dtype == np.int16 and len(pcm) == stats.samples
+    assert np.abs(pcm).max() > 0
+    assert stats.ttfa_s is not None and stats.ttft_s is not None and stats.ttfa_s >= stats.ttft_s
+
+
+async def test_stream_api_yields_pcm(synthesizer: Synthesizer) -> None:
+    pcm = [p async for p in synthesizer.stream("Olá! Tudo bem?", "leo", seed=5)]
+    assert sum(len(p) for p in pcm) % SAMPLES_PER_FRAME == 0
+    assert all(p.dtype == np.int16 for p in pcm)
+
+
+async def test_long_text_plays_sentences_in_order(synthesizer: Synthesizer) -> None:
+    stats = UtteranceStats()
+    text = "First sentence here. Second one follows! And a third?"
+    indices = [c.sentence_index async for c in synthesizer.utterance(text, "tara", seed=7, stats=stats)]
+    assert stats.sentences == 3
+    assert indices == sorted(indices), "sentences play back to back, in order"
+    assert set(indices) <= {0, 1, 2}
+    assert stats.samples == stats.frames * SAMPLES_PER_FRAME
+
+
+async def test_sixteen_concurrent_streams_complete(synthesizer: Synthesizer) -> None:
+    async def one(i: int) -> UtteranceStats:
+        stats = UtteranceStats()
+        async for _ in synthesizer.utterance(f"Sentence number {i}.", "tara", seed=100 + i, max_tokens=56,
+                                             stats=stats):
+            pass
+        return stats
+
+    results = await asyncio.gather(*(one(i) for i in range(16)))
+    assert all(s.frames >= 1 and s.samples == s.frames * SAMPLES_PER_FRAME for s in results)
+    assert synthesizer.engine.in_flight == 0
+    assert synthesizer.decoder.stats.batches < synthesizer.decoder.stats.windows, "windows were batched"
+
+
+async def test_cancel_mid_stream_aborts_engine_request(synthesizer: Synthesizer) -> None:
+    stream = synthesizer.utterance("A long sentence that we will interrupt.", "tara", max_tokens=700, seed=11)
+    first = await anext(stream)
+    assert len(first.pcm) > 0
+    assert synthesizer.engine.in_flight == 1
+    await stream.aclose()
+    assert synthesizer.engine.in_flight == 0
+    await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
+
+
+async def test_cancelled_task_aborts_engine_request(synthesizer: Synthesizer) -> None:
+    async def consume() -> None:
+        async for _ in synthesizer.utterance("Another long one.", "tara", max_tokens=700, seed=12):
+            pass
+
+    task = asyncio.create_task(consume())
+    await wait_until(lambda: synthesizer.engine.in_flight == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert synthesizer.engine.in_flight == 0
+    await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "voice", "code"),
+    [("", "tara", "empty_text"), ("   ", "tara", "empty_text"), ("hi", "nobody", "unknown_voice"),
+     ("x" * 5000, "tara", "text_too_long"), (42, "tara", "invalid_text")],
+)
+async def test_bad_requests_rejected(synthesizer: Synthesizer, text: object, voice: str, code: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        async for _ in synthesizer.utterance(text, voice):  # type: ignore[arg-type]
+            pass
+    assert info.value.code == code
+
+
+async def test_engine_death_fails_requests_and_restarts(synthesizer: Synthesizer) -> None:
+    """Kill the engine-core process mid-utterance: the request fails clearly, the engine comes back."""
+    engine = synthesizer.engine
+    restarts = engine.restarts
+    stream = synthesizer.utterance("This utterance will lose its engine.", "tara", max_tokens=700, seed=13)
+    await anext(stream)
+    pids = engine.engine_process_ids()
+    assert pids, "engine core runs in its own process"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        async for _ in stream:
+            pass
+    await wait_until(lambda: engine.state is not EngineState.READY, timeout=10)
+    await engine.wait_ready(timeout=240)
+    assert engine.restarts == restarts + 1
+    stats = UtteranceStats()
+    async for _ in synthesizer.utterance("Back again.", "tara", seed=14, stats=stats):
+        pass
+    assert stats.frames >= 1

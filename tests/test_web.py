@@ -1,0 +1,211 @@
+"""The avatar page (web/) in a real headless Chromium, against the real engine on the tiny model.
+
+The tiny model speaks noise-like audio from a random codec: it still has energy, so the avatar's mouth
+moves and the browser's own getStats() counts packets and samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.config import GatewayConfig
+from gateway.http import GATEWAY_KEY
+from gateway.server import create_app
+from gateway.synthesizer import Synthesizer
+from tests.test_synthesizer import wait_until
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.browser,
+    # Checked before any fixture, so a machine without Chromium does not start the engine for nothing.
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed at /usr/bin/chromium "
+                       "(install.sh installs it; `apt-get install chromium`)"),
+]
+
+playwright_api = pytest.importorskip("playwright.async_api")
+async_playwright = playwright_api.async_playwright
+PlaywrightTimeoutError = playwright_api.TimeoutError
+
+LAUNCH_ARGS = [
+    "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+READY_S = 30  # page loaded -> `ready` from the data channel
+SPEECH_S = 120  # the engine is slow on a 2-core CPU: a short phrase can take a minute to finish
+LONG_TEXT = " ".join(f"Sentence number {i} of a long lesson." for i in range(10))
+
+# The browser's inbound-rtp audio entry, as a plain object.
+INBOUND_AUDIO_JS = """async () => {
+  const report = await window.__app.pc.getStats();
+  for (const entry of report.values()) {
+    if (entry.type === 'inbound-rtp' && entry.kind === 'audio') return {...entry};
+  }
+  return null;
+}"""
+
+
+@pytest.fixture(scope="module")
+async def server(test_config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[TestServer]:
+    test_server = TestServer(create_app(test_config, synthesizer), host="127.0.0.1")
+    await test_server.start_server()
+    yield test_server
+    await test_server.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(server: TestServer) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Any]:
+    async with async_playwright() as playwright:
+        chromium = await playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS,
+                                                    ignore_default_args=["--mute-audio"])
+        yield chromium
+        await chromium.close()
+
+
+async def open_page(browser: Any, base_url: str, width: int = 1100, height: int = 900) -> tuple[Any, list[str]]:
+    """A fresh page on the avatar page; also returns the list its uncaught script errors go to."""
+    context = await browser.new_context(viewport={"width": width, "height": height})
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(f"{base_url}/")
+    await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+    return page, errors
+
+
+@pytest.fixture()
+async def page(browser: Any, base_url: str) -> AsyncIterator[Any]:
+    page, errors = await open_page(browser, base_url)
+    yield page
+    await page.context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+async def connect(page: Any, jitter_ms: int = 0) -> None:
+    await page.fill("#jitter", str(jitter_ms))
+    await page.click("#connect")
+    await page.wait_for_selector('body[data-state="ready"]', timeout=READY_S * 1000)
+
+
+async def test_page_and_modules_are_served(base_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{base_url}/") as response:
+            assert response.status == 200
+            assert response.content_type == "text/html"
+            assert 'id="avatar"' in await response.text()
+        for name, content_type in [("app.js", "text/javascript"), ("avatar.js", "text/javascript"),
+                                   ("style.css", "text/css")]:
+            async with http.get(f"{base_url}/static/{name}") as response:
+                assert response.status == 200, name
+                assert response.content_type == content_type, name
+        for missing in ["/static/nope.js", "/static/..%2Fpyproject.toml", "/static/index.py"]:
+            async with http.get(f"{base_url}{missing}") as response:
+                assert response.status == 404, missing
+
+
+async def test_lesson_phrase_plays_moves_the_mouth_and_shows_stats(page: Any) -> None:
+    await connect(page)
+    assert await page.locator("#voice option").count() > 0
+    phrase = page.locator(".phrase").first
+    await phrase.click()
+    await page.wait_for_selector(".phrase.playing", timeout=SPEECH_S * 1000)  # highlighted from `started`
+    with contextlib.suppress(PlaywrightTimeoutError):  # only for a livelier screenshot: mouth open, if it comes
+        await page.wait_for_function("window.__avatar.mouth > 0.3", timeout=5000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "web-page.png"), full_page=True)
+    await page.wait_for_selector('#now[data-kind="done"]', timeout=SPEECH_S * 1000)
+    assert await phrase.get_attribute("class") == "phrase", "the highlight ends with `done`"
+    assert (await page.text_content("#stat-ttfa")).endswith(" ms")
+    assert "(" in await page.text_content("#stat-underruns")
+
+    await asyncio.sleep(0.5)  # the last packets are still in flight when `done` is sent
+    stats = await page.evaluate(INBOUND_AUDIO_JS)
+    assert stats is not None, "the browser has an inbound audio stream"
+    assert stats["packetsReceived"] > 0
+    assert stats["totalSamplesReceived"] > 0, "the browser played the audio out"
+    assert await page.evaluate("window.__avatar.maxMouth") > 0, "the mouth opened with the speech"
+    await page.wait_for_function("document.getElementById('stat-packets').textContent !== '–'", timeout=5000)
+
+
+async def test_stop_cancels_a_long_text_and_disconnect_ends_the_session(page: Any, server: TestServer) -> None:
+    await connect(page)
+    await page.fill("#text", LONG_TEXT)
+    await page.click("#speak")
+    await page.wait_for_selector('#now[data-kind="speaking"]', timeout=SPEECH_S * 1000)
+    await page.click("#stop")
+    await page.wait_for_selector('#now[data-kind="cancelled"]', timeout=10_000)
+    assert await page.text_content("#now") == "Stopped."
+    assert "cancelled" in await page.text_content("#log")
+    assert await page.is_hidden("#error")
+
+    session_id = await page.evaluate("window.__app.connection.sessionId")
+    sessions = server.app[GATEWAY_KEY].sessions.sessions
+    assert session_id in sessions
+    await page.click("#disconnect")
+    await page.wait_for_selector('body[data-state="disconnected"]')
+    await wait_until(lambda: session_id not in sessions, timeout=10)
+
+
+async def test_unknown_voice_shows_the_servers_message(page: Any) -> None:
+    # Offer refused (HTTP 400 unknown_voice): the page says so and stays ready to try again.
+    await page.evaluate("document.getElementById('voice').add(new Option('klingon', 'klingon', true, true))")
+    await page.click("#connect")
+    await page.wait_for_selector("#error:not([hidden])", timeout=READY_S * 1000)
+    message = await page.text_content("#error")
+    assert "voice is not available" in message and "'klingon'" in message
+    assert await page.get_attribute("body", "data-state") == "disconnected"
+    assert await page.is_enabled("#connect")
+
+    # The same voice asked for in a `speak`: the data channel's `error` event is shown too.
+    await page.select_option("#voice", "tara")
+    await connect(page)
+    await page.evaluate("document.getElementById('voice').add(new Option('klingon', 'klingon', true, true))")
+    await page.click("#speak")
+    await page.wait_for_selector("#error:not([hidden])", timeout=10_000)
+    assert "unknown voice 'klingon'" in await page.text_content("#error")
+
+
+@pytest.mark.parametrize(("status", "code", "expected"), [
+    (503, "at_capacity", "The teacher is busy (server at capacity). Please try again in a moment."),
+    (401, "unauthorized", "Access refused"),
+    (403, "forbidden", "Access refused"),
+])
+async def test_offer_http_errors_read_as_human_messages(page: Any, status: int, code: str, expected: str) -> None:
+    async def refuse(route: Any) -> None:
+        await route.fulfill(status=status, json={"error": {"code": code, "message": "refused for the test"}})
+
+    await page.route("**/v1/webrtc/offer", refuse)
+    await page.click("#connect")
+    await page.wait_for_selector("#error:not([hidden])", timeout=READY_S * 1000)
+    assert expected in await page.text_content("#error")
+    assert await page.get_attribute("body", "data-state") == "disconnected"
+
+
+async def test_phone_width_has_no_horizontal_scroll(browser: Any, base_url: str) -> None:
+    page, errors = await open_page(browser, base_url, width=375, height=812)
+    try:
+        await connect(page)
+        assert await page.is_visible("#jitter"), "the settings (the widest controls) are open"
+        scroll_width = await page.evaluate("document.documentElement.scrollWidth")
+        assert scroll_width <= 375, f"the page is {scroll_width} px wide on a 375 px screen"
+        ARTIFACTS.mkdir(exist_ok=True)
+        await page.screenshot(path=str(ARTIFACTS / "web-page-phone.png"), full_page=True)
+    finally:
+        await page.context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"

@@ -1,0 +1,151 @@
+// One WebRTC session with the gateway: a non-trickle offer/answer over HTTP, then the `control`
+// data channel for speak/cancel/ping. Emits: `track` {stream}, `message` {msg}, `state` {state}, `closed`.
+
+const PING_INTERVAL_MS = 2000; // the gateway treats these pings as a heartbeat
+const ICE_GATHERING_TIMEOUT_MS = 5000;
+
+/** An HTTP error answered by the gateway (`{"error": {"code", "message"}}`). */
+export class GatewayError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.name = 'GatewayError';
+    this.status = status;
+    this.code = code;
+  }
+}
+
+// The gateway does not trickle candidates, so the offer is sent once gathering is over.
+function iceGatheringComplete(pc, timeoutMs) {
+  if (pc.iceGatheringState === 'complete') return Promise.resolve();
+  return new Promise((resolve) => {
+    const finish = () => {
+      clearTimeout(timer);
+      pc.removeEventListener('icegatheringstatechange', onChange);
+      resolve(); // on timeout, send what was gathered so far: host candidates come first
+    };
+    const onChange = () => { if (pc.iceGatheringState === 'complete') finish(); };
+    const timer = setTimeout(finish, timeoutMs);
+    pc.addEventListener('icegatheringstatechange', onChange);
+  });
+}
+
+export class TutorConnection extends EventTarget {
+  constructor(baseUrl = location.origin) {
+    super();
+    this.baseUrl = baseUrl;
+    this.pc = null;
+    this.channel = null;
+    this.sessionId = null;
+    this._pingTimer = null;
+    this._closed = false;
+  }
+
+  _emit(type, detail = {}) {
+    this.dispatchEvent(new CustomEvent(type, { detail }));
+  }
+
+  /** Open the session; throws GatewayError for HTTP errors, TypeError when the server is unreachable. */
+  async connect({ voice, jitterBufferMs }) {
+    const pc = new RTCPeerConnection({ iceServers: [] });
+    this.pc = pc;
+    pc.addTransceiver('audio', { direction: 'recvonly' });
+    // Created before the offer so that it carries the m=application section the gateway requires.
+    const channel = pc.createDataChannel('control');
+    this.channel = channel;
+    channel.onopen = () => this._startPing();
+    channel.onmessage = (event) => this._onMessage(event.data);
+    channel.onclose = () => this._onChannelClosed();
+    pc.ontrack = (event) => {
+      const stream = event.streams[0] ?? new MediaStream([event.track]);
+      this._emit('track', { stream });
+    };
+    pc.onconnectionstatechange = () => this._emit('state', { state: pc.connectionState });
+
+    await pc.setLocalDescription(await pc.createOffer());
+    await iceGatheringComplete(pc, ICE_GATHERING_TIMEOUT_MS);
+    const body = { sdp: pc.localDescription.sdp, type: 'offer', jitter_buffer_ms: jitterBufferMs };
+    if (voice) body.voice = voice;
+    const response = await fetch(`${this.baseUrl}/v1/webrtc/offer`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify(body),
+    });
+    const answer = await response.json().catch(() => null);
+    if (!response.ok) {
+      const error = answer?.error ?? {};
+      throw new GatewayError(response.status, error.code ?? 'http_error', error.message ?? response.statusText);
+    }
+    this.sessionId = answer.session_id;
+    if (this._closed) {
+      await this._endSession(false); // disconnected while the offer was in flight: free the server's side
+      return;
+    }
+    await pc.setRemoteDescription({ type: answer.type, sdp: answer.sdp });
+  }
+
+  get isOpen() {
+    return this.channel?.readyState === 'open';
+  }
+
+  /** Send one control message; false when the channel is not open. */
+  send(message) {
+    if (!this.isOpen) return false;
+    this.channel.send(JSON.stringify(message));
+    return true;
+  }
+
+  speak(id, text, { voice, interrupt = false } = {}) {
+    const message = { type: 'speak', id, text, interrupt };
+    if (voice) message.voice = voice;
+    return this.send(message);
+  }
+
+  /** Cancel one utterance, or (no id) the current one and everything queued. */
+  cancel(id) {
+    return this.send(id ? { type: 'cancel', id } : { type: 'cancel' });
+  }
+
+  _startPing() {
+    this._stopPing();
+    const ping = () => this.send({ type: 'ping', t: performance.now() });
+    ping();
+    this._pingTimer = setInterval(ping, PING_INTERVAL_MS);
+  }
+
+  _stopPing() {
+    clearInterval(this._pingTimer);
+    this._pingTimer = null;
+  }
+
+  _onMessage(data) {
+    let msg;
+    try {
+      msg = JSON.parse(data);
+    } catch {
+      return; // not ours to show: the protocol is JSON only
+    }
+    if (msg.type === 'pong' && typeof msg.t === 'number') msg.rtt_ms = performance.now() - msg.t;
+    this._emit('message', { msg });
+  }
+
+  _onChannelClosed() {
+    this._stopPing();
+    if (!this._closed) this._emit('closed'); // the server (or the network) ended the session
+  }
+
+  /** End the session: tell the server (best effort), then close the peer. */
+  async close({ keepalive = false } = {}) {
+    if (this._closed) return;
+    this._closed = true;
+    this._stopPing();
+    this.pc?.close();
+    await this._endSession(keepalive);
+  }
+
+  async _endSession(keepalive) {
+    if (!this.sessionId) return;
+    const url = `${this.baseUrl}/v1/webrtc/sessions/${encodeURIComponent(this.sessionId)}`;
+    // keepalive lets the request outlive the page when it is being closed
+    await fetch(url, { method: 'DELETE', keepalive }).catch(() => {});
+  }
+}

@@ -1,0 +1,42 @@
+// Lesson phrases: Portuguese with its English meaning, and English with its Portuguese meaning.
+// Each is a button; the one being spoken carries the class `playing`.
+
+export const PHRASES = [
+  { lang: 'pt', text: 'Bom dia! Como você está?', meaning: 'Good morning! How are you?' },
+  { lang: 'en', text: 'Good morning! How are you?', meaning: 'Bom dia! Como você está?' },
+  { lang: 'pt', text: 'Eu me chamo Ana. E você?', meaning: 'My name is Ana. And you?' },
+  { lang: 'en', text: 'Nice to meet you!', meaning: 'Muito prazer!' },
+  { lang: 'pt', text: 'Onde fica a estação?', meaning: 'Where is the station?' },
+  { lang: 'en', text: 'Thank you, see you tomorrow.', meaning: 'Obrigado, até amanhã.' },
+];
+
+const LANGUAGE_NAMES = { pt: 'Português', en: 'English' };
+
+/** Fill `list` with one button per phrase; `onPick(phrase, button)` is called on click. */
+export function renderPhrases(list, onPick) {
+  list.replaceChildren(...PHRASES.map((phrase, index) => {
+    const button = document.createElement('button');
+    button.type = 'button';
+    button.className = 'phrase';
+    button.dataset.index = String(index);
+    button.lang = phrase.lang;
+    const tag = document.createElement('span');
+    tag.className = `tag tag-${phrase.lang}`;
+    tag.textContent = phrase.lang.toUpperCase();
+    tag.title = LANGUAGE_NAMES[phrase.lang];
+    const text = document.createElement('span');
+    text.className = 'text';
+    text.textContent = phrase.text;
+    const meaning = document.createElement('span');
+    meaning.className = 'meaning';
+    meaning.textContent = phrase.meaning;
+    const words = document.createElement('span');
+    words.className = 'words';
+    words.append(text, meaning);
+    button.append(tag, words);
+    button.addEventListener('click', () => onPick(phrase, button));
+    const item = document.createElement('li');
+    item.append(button);
+    return item;
+  }));
+}

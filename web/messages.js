@@ -1,0 +1,36 @@
+// Human wording for what can go wrong: a student should read what happened and what to do,
+// not an error code. The server's own message is kept where it adds something useful.
+
+import { GatewayError } from './connection.js';
+
+/** Why connecting failed (the offer's HTTP error, or no server at all). */
+export function connectErrorMessage(error) {
+  if (error instanceof GatewayError) {
+    const { status, code, message } = error;
+    if (status === 503 && code === 'at_capacity') {
+      return 'The teacher is busy (server at capacity). Please try again in a moment.';
+    }
+    if (status === 503) return 'The tutor is still getting ready. Please try again in a moment.';
+    if (status === 401) return 'Access refused: please sign in again (the server did not accept your login).';
+    if (status === 403) return 'Access refused: your account is not allowed to use the tutor.';
+    if (code === 'unknown_voice') return `That voice is not available. ${message}`;
+    if (code === 'invalid_jitter_buffer') return `The audio buffer setting was refused: ${message}`;
+    if (status === 413) return 'The request was too large for the server.';
+    return `Could not connect (${status}): ${message}`;
+  }
+  if (error instanceof TypeError) return 'Could not reach the server. Check your internet connection and try again.';
+  return `Could not connect: ${error?.message ?? error}`;
+}
+
+/** An `error` event from the data channel. */
+export function eventErrorMessage({ code, message }) {
+  switch (code) {
+    case 'unknown_voice': return `That voice is not available. ${message}`;
+    case 'queue_full': return 'Too many sentences are waiting. Press Stop or wait a moment.';
+    case 'text_too_long': return `That text is too long to say in one go (${message}).`;
+    case 'empty_text': return 'There is nothing to say yet: type a sentence first.';
+    case 'engine_unavailable': return 'The tutor’s voice is not ready right now. Please try again in a moment.';
+    case 'idle_timeout': return 'The lesson was closed after a long pause. Press Connect to continue.';
+    default: return `The tutor could not do that: ${message}`;
+  }
+}
