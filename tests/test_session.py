@@ -124,7 +124,7 @@ async def test_queued_utterances_play_in_order(peer: HeadlessPeer) -> None:
         await peer.wait_event("done", f"q{i}")
     starts = [peer.event_time("started", f"q{i}") for i in range(3)]
     assert starts == sorted(starts)
-    assert [e.message["position"] for e in peer.find("queued") if e.message["id"].startswith("q")][0] == 0
+    assert [peer.find("queued", f"q{i}")[0].message["position"] for i in range(3)] == [0, 1, 2]
 
 
 async def test_cancel_named_queued_utterance(peer: HeadlessPeer) -> None:
