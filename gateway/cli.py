@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # configuration errors: one clear line, not a traceback
+    except config_mod.ConfigError as exc:  # one clear line, not a traceback
         print(f"orpheus-gateway: error: {exc}", file=sys.stderr)
         return 2
 

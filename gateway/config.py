@@ -18,6 +18,10 @@ from typing import Any
 ENV_PREFIX = "ORPHEUS_GATEWAY_"
 
 
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names it."""
+
+
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
@@ -148,7 +152,7 @@ def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | N
                 else:
                     values[f.name] = _parse_scalar(tp, raw)
             except ValueError as exc:
-                raise ValueError(f"{ENV_PREFIX + f.name.upper()}: {exc}") from exc
+                raise ConfigError(f"{ENV_PREFIX + f.name.upper()}: {exc}") from exc
         cli = getattr(args, f.name, None) if args is not None else None
         if cli is not None:
             values[f.name] = cli
@@ -176,6 +180,6 @@ def validate(config: GatewayConfig) -> None:
     ]
     for ok, message in checks:
         if not ok:
-            raise ValueError(message)
+            raise ConfigError(message)
     if config.default_voice is not None and config.default_voice not in config.voice_list:
-        raise ValueError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")
+        raise ConfigError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")

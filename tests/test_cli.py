@@ -1,0 +1,132 @@
+"""Configuration sources and the command line: `synth` writes a WAV, `serve` answers health before ready."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway import config as config_mod
+from gateway.cli import build_parser
+from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults() -> None:
+    config = config_mod.from_sources(parse([]), env={})
+    assert config.model == "canopylabs/orpheus-3b-0.1-ft"
+    assert (config.temperature, config.top_p, config.repetition_penalty) == (0.6, 0.8, 1.1)
+    assert config.enable_prefix_caching and config.enable_chunked_prefill and not config.enforce_eager
+    assert config.jitter_buffer_ms == 500
+    assert config.voice == "tara"
+
+
+def test_env_then_flag_precedence() -> None:
+    env = {"ORPHEUS_GATEWAY_MAX_NUM_SEQS": "64", "ORPHEUS_GATEWAY_PORT": "9000",
+           "ORPHEUS_GATEWAY_ENABLE_PREFIX_CACHING": "false", "ORPHEUS_GATEWAY_ICE_SERVERS": "stun:a:3478,turn:b:3478"}
+    config = config_mod.from_sources(parse(["--port", "9100", "--max-tokens", "900"]), env=env)
+    assert config.max_num_seqs == 64
+    assert config.port == 9100
+    assert config.max_tokens == 900
+    assert config.enable_prefix_caching is False
+    assert config.ice_servers == ["stun:a:3478", "turn:b:3478"]
+    config = config_mod.from_sources(parse(["--enable-prefix-caching", "--ice-servers", "stun:c"]), env=env)
+    assert config.enable_prefix_caching is True
+    assert config.ice_servers == ["stun:c"]
+
+
+def test_multilingual_voices_follow_the_model() -> None:
+    config = config_mod.from_sources(parse(["--model", "canopylabs/3b-de-ft-research_release"]), env={})
+    assert config.voice_list == ["jana", "thomas", "max"] and config.voice == "jana"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--jitter-buffer-ms", "9000"], {}, "jitter_buffer_ms"),
+        (["--max-tokens", "3"], {}, "max_tokens"),
+        ([], {"ORPHEUS_GATEWAY_MAX_NUM_SEQS": "many"}, "ORPHEUS_GATEWAY_MAX_NUM_SEQS"),
+        ([], {"ORPHEUS_GATEWAY_ENFORCE_EAGER": "maybe"}, "ORPHEUS_GATEWAY_ENFORCE_EAGER"),
+        (["--default-voice", "nobody"], {}, "default_voice"),
+    ],
+)
+def test_bad_settings_are_named(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_mod.from_sources(parse(argv), env=env)
+
+
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ORPHEUS_GATEWAY_ENFORCE_EAGER": "true",
+            "ORPHEUS_GATEWAY_MAX_MODEL_LEN": "1024", "ORPHEUS_GATEWAY_MAX_NUM_SEQS": "8",
+            "ORPHEUS_GATEWAY_DTYPE": "float32", "ORPHEUS_GATEWAY_MAX_TOKENS": "140"}
+
+
+@pytest.mark.engine
+def test_synth_writes_valid_wav(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hello.wav"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "synth", "Bom dia! Good morning.", "-o", str(out), "--voice", "leah",
+         "--model", str(tiny_model_dir), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--seed", "4"],
+        env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote" in proc.stdout
+    with wave.open(str(out)) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
+        assert wav.getnframes() > 0 and wav.getnframes() % SAMPLES_PER_FRAME == 0
+
+
+def test_synth_bad_setting_exits_cleanly() -> None:
+    proc = subprocess.run([sys.executable, "-m", "gateway", "synth", "hi", "--jitter-buffer-ms", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "jitter_buffer_ms" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.engine
+async def test_serve_healthy_before_ready(tiny_model_dir: Path, tiny_snac_dir: Path) -> None:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(tiny_model_dir), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu",
+        env=cli_env(), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            saw_not_ready = False
+            for _ in range(600):
+                try:
+                    async with http.get(f"{base}/healthz") as health, http.get(f"{base}/readyz") as ready:
+                        assert health.status == 200
+                        if ready.status == 503:
+                            saw_not_ready = True
+                        elif ready.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.5)
+            else:
+                raise AssertionError("gateway never became ready")
+            assert saw_not_ready, "/healthz answered while the engine was still loading"
+            async with http.post(f"{base}/v1/audio/speech", json={"input": "Ready now.", "response_format": "pcm"}) as r:
+                assert r.status == 200
+                assert len(await r.read()) % (2 * SAMPLES_PER_FRAME) == 0
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 60)
