@@ -124,7 +124,8 @@ async def test_serve_healthy_before_ready(tiny_model_dir: Path, tiny_snac_dir: P
             else:
                 raise AssertionError("gateway never became ready")
             assert saw_not_ready, "/healthz answered while the engine was still loading"
-            async with http.post(f"{base}/v1/audio/speech", json={"input": "Ready now.", "response_format": "pcm"}) as r:
+            body = {"input": "Ready now.", "response_format": "pcm"}
+            async with http.post(f"{base}/v1/audio/speech", json=body) as r:
                 assert r.status == 200
                 assert len(await r.read()) % (2 * SAMPLES_PER_FRAME) == 0
     finally:
