@@ -86,12 +86,58 @@ class StreamWindower:
         return DecodeWindow(frames=frames, keep_from=self.emitted - start, keep_count=count)
 
 
+GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class _GraphedDecoder:
+    """The SNAC decoder captured as CUDA graphs for one window length and a ladder of batch sizes.
+
+    A batch is padded up to the next captured size and replayed: one launch instead of hundreds of small
+    kernels (measured on an H100: B=1 0.75 ms as a graph vs 4.1 ms eager). The output buffer is reused by
+    the next replay, so callers copy it out before decoding again (the worker thread does).
+    """
+
+    def __init__(self, model: Any, device: str, frames: int, max_batch: int) -> None:
+        import torch
+
+        self.frames = frames
+        self.sizes = sorted({b for b in GRAPH_BATCH_BUCKETS if b < max_batch} | {max_batch})
+        self._graphs: dict[int, tuple[Any, list[Any], Any]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
+                codes = [torch.zeros((size, frames * k), dtype=torch.long, device=device) for k in (1, 2, 4)]
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        model.decode(codes)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = model.decode(codes)
+                self._graphs[size] = (graph, codes, out)
+
+    def fits(self, frames: int, batch: int) -> bool:
+        return frames == self.frames and batch <= self.sizes[-1]
+
+    def __call__(self, codes: list[Any]) -> Any:
+        batch = codes[0].shape[0]
+        size = next(s for s in self.sizes if s >= batch)
+        graph, static, out = self._graphs[size]
+        for dst, src in zip(static, codes, strict=True):
+            dst[:batch].copy_(src)
+        graph.replay()
+        return out[:batch]
+
+
 class SnacModel:
     """The SNAC decoder on one device; turns batches of equal-length windows into int16 PCM."""
 
     def __init__(self, model: Any, device: str) -> None:
         self.model = model
         self.device = device
+        self._graphed: list[_GraphedDecoder] = []
 
     @classmethod
     def load(cls, name_or_path: str, device: str = "auto") -> SnacModel:
@@ -105,15 +151,32 @@ class SnacModel:
         model.encoder = None
         return cls(model, device)
 
+    def capture_graphs(self, window_lengths: Sequence[int], max_batch: int) -> None:
+        """CUDA-graph the window lengths streams use most (steady state, first window); GPU only."""
+        if not self.device.startswith("cuda"):
+            return
+        t0 = time.perf_counter()
+        try:
+            for frames in sorted(set(window_lengths)):
+                self._graphed.append(_GraphedDecoder(self.model, self.device, frames, max_batch))
+        except Exception:  # an eager decoder is slower, never wrong
+            log.exception("SNAC CUDA graph capture failed; decoding eagerly")
+            self._graphed.clear()
+            return
+        log.info("SNAC CUDA graphs for windows of %s frames, batches up to %d, in %.1f s",
+                 sorted(set(window_lengths)), max_batch, time.perf_counter() - t0)
+
     def decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
         """Decode windows of one length in one forward pass; one host copy for the whole batch."""
         import torch
 
         layers = [frames_to_layers(w.frames) for w in windows]
+        frames = windows[0].length
         with torch.inference_mode():
-            codes = [torch.tensor([lay[i] for lay in layers], dtype=torch.long, device=self.device)
+            codes = [torch.tensor([lay[i] for lay in layers], dtype=torch.long).to(self.device, non_blocking=True)
                      for i in range(3)]
-            audio = self.model.decode(codes)[:, 0, :]
+            graphed = next((g for g in self._graphed if g.fits(frames, len(windows))), None)
+            audio = (graphed(codes) if graphed is not None else self.model.decode(codes))[:, 0, :]
             pcm = (audio.clamp(-1.0, 1.0) * INT16_MAX).to(torch.int16).cpu().numpy()
         return [pcm[i, w.keep_from * SAMPLES_PER_FRAME:(w.keep_from + w.keep_count) * SAMPLES_PER_FRAME]
                 for i, w in enumerate(windows)]

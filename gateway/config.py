@@ -63,6 +63,7 @@ class GatewayConfig:
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
     decode_hop_frames: int = _opt(1, "New frames emitted per decode window once streaming.")
     decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
+    snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
     # --- text -------------------------------------------------------------------------------------
     max_text_chars: int = _opt(4000, "Longest text accepted per request or utterance.")
     max_sentence_chars: int = _opt(300, "Sentences longer than this are split at commas or spaces.")
@@ -79,7 +80,26 @@ class GatewayConfig:
     max_sessions: int = _opt(512, "Most concurrent WebRTC sessions; more get 503.")
     max_queued_utterances: int = _opt(16, "Most utterances waiting in one session.")
     session_idle_timeout_s: float = _opt(600.0, "A session with no message for this long is closed.")
-    heartbeat_timeout_s: float = _opt(0.0, "Close a session whose data channel is silent this long (0 = off).")
+    heartbeat_timeout_s: float = _opt(10.0, "Close a session that has pinged and then fell silent this long "
+                                      "(a vanished peer; the page pings every 2 s). 0 = off.")
+    session_connect_timeout_s: float = _opt(30.0, "Close a session whose data channel has not opened by then "
+                                            "(0 = off).")
+    max_session_s: float = _opt(4 * 3600.0, "Longest a session may last, in seconds (0 = no limit).")
+    max_messages_per_second: float = _opt(20.0, "Data-channel messages per second per session; more get "
+                                          "`rate_limited` and are dropped (0 = no limit).")
+    message_burst: int = _opt(40, "Data-channel messages a session may send at once above that rate.")
+    # --- admission --------------------------------------------------------------------------------
+    max_in_flight_utterances: int = _opt(0, "Most utterances synthesising at once, all sessions and HTTP requests "
+                                         "together; more get `at_capacity` (0 = max_num_seqs x data_parallel_size).")
+    engine_tokens_per_second: float = _opt(0.0, "Audio tokens/s the engine sustains (measure it); a new utterance is "
+                                           "admitted only while every stream still gets 82 tokens/s (0 = off).")
+    # --- access -----------------------------------------------------------------------------------
+    auth_token: list[str] = _opt([], "Bearer token accepted on the API (repeatable). With no token and no "  # noqa: RUF009
+                                 "secret, the API is open.")
+    auth_secret: list[str] = _opt([], "HMAC secret of signed session tokens (repeatable, for rotation).")  # noqa: RUF009
+    allowed_origin: list[str] = _opt([], "Browser origin allowed to call the API, e.g. https://school.example "  # noqa: RUF009
+                                     "(repeatable; * = any). None: the page's own origin only.")
+    protect_metrics: bool = _opt(False, "Require a token on /metrics too.")
     # --- runtime ----------------------------------------------------------------------------------
     gc_freeze: bool = _opt(True, "Freeze start-up objects out of the GC and collect young objects only.")
     log_level: str = _opt("info", "Logging level.")
@@ -164,6 +184,9 @@ def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | N
 
 def validate(config: GatewayConfig) -> None:
     """Reject settings that cannot work, with a message naming the setting."""
+    from gateway.auth import MIN_SECRET_CHARS, normalize_origin
+    from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
+
     checks = [
         (config.max_tokens >= 7, "max_tokens must be at least 7 (one SNAC frame)"),
         (config.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
@@ -177,9 +200,28 @@ def validate(config: GatewayConfig) -> None:
         (0 < config.top_p <= 1, "top_p must be within (0, 1]"),
         (config.max_text_chars >= 1, "max_text_chars must be >= 1"),
         (1 <= config.port <= 65535 or config.port == 0, "port must be within 0..65535"),
+        (config.max_sessions >= 1, "max_sessions must be >= 1"),
+        (config.max_in_flight_utterances >= 0, "max_in_flight_utterances must be >= 0 (0 = max_num_seqs)"),
+        (config.engine_tokens_per_second == 0 or config.engine_tokens_per_second >= AUDIO_TOKENS_PER_SECOND,
+         f"engine_tokens_per_second must be 0 (off) or at least {AUDIO_TOKENS_PER_SECOND:.2f} (one stream)"),
+        (config.max_messages_per_second >= 0, "max_messages_per_second must be >= 0 (0 = no limit)"),
+        (config.message_burst >= 1, "message_burst must be >= 1"),
+        (config.session_idle_timeout_s >= 0, "session_idle_timeout_s must be >= 0"),
+        (config.heartbeat_timeout_s >= 0, "heartbeat_timeout_s must be >= 0 (0 = off)"),
+        (config.session_connect_timeout_s >= 0, "session_connect_timeout_s must be >= 0 (0 = off)"),
+        (config.max_session_s >= 0, "max_session_s must be >= 0 (0 = no limit)"),
+        (all(len(t) >= MIN_SECRET_CHARS for t in config.auth_token),
+         f"auth_token: each token must have at least {MIN_SECRET_CHARS} characters"),
+        (all(len(s) >= MIN_SECRET_CHARS for s in config.auth_secret),
+         f"auth_secret: each secret must have at least {MIN_SECRET_CHARS} characters"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    for origin in config.allowed_origin:
+        try:
+            normalize_origin(origin)
+        except ValueError as exc:
+            raise ConfigError(f"allowed_origin: {exc}") from None
     if config.default_voice is not None and config.default_voice not in config.voice_list:
         raise ConfigError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")

@@ -94,6 +94,10 @@ class Synthesizer:
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         snac = SnacModel.load(config.snac_model, config.snac_device)
+        if config.snac_cuda_graphs:
+            lookahead, context = config.decode_lookahead_frames, config.decode_context_frames
+            snac.capture_graphs([1 + lookahead, context + config.decode_hop_frames + lookahead],
+                                config.decode_max_batch)
         decoder = DecodeBatcher(snac, config.decode_max_batch)
         engine = OrpheusEngine(config)
         return cls(config, engine, tokenizer, decoder)

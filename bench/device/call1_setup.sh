@@ -1,0 +1,15 @@
+#!/bin/bash
+# Device call 1 of a GPU benchmark session (see bench/device/README.md).
+# carry: .devcarry/cur1 .devcarry/bench .devcarry/gw1
+# Unpacks vLLM (part A), installs the gateway's pure-Python deps, builds the Orpheus-shaped model.
+REPO=$(pwd); DC=$REPO/.devcarry; T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/site
+( cd /tmp/site && tar -xJf $DC/cur1/siteA.tar.xz )
+python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site $DC/gw1/*.whl $DC/bench/snac-*.whl
+echo "unpacked A + gateway deps in $(( $(date +%s) - T0 ))s"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+python3 -V; nproc; free -g | head -2
+PYTHONPATH=/tmp/site python3 $DC/bench/check_imports.py aiohttp,numpy,transformers,tokenizers,safetensors,matplotlib,prometheus_client,psutil,cryptography,av,snac 2>&1 | tee $OUT/imports.log
+echo "=== model"
+PYTHONPATH=/tmp/site:$REPO timeout 300 python3 -m gateway.devmodels /tmp/orpheus-struct --shape orpheus-3b --stop-probability 0 --snac 2>&1 | tail -3
+du -sh /tmp/orpheus-struct
+echo "call1 total $(( $(date +%s) - T0 ))s"
