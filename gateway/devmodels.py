@@ -25,9 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +80,7 @@ NEGATIVE_LOGIT = -16.0
 INIT_STD = 0.02  # N(0, 0.02): the usual Llama initializer range, for the weights that only add compute
 RANDOM_POOL_SIZE = 1 << 24  # big random tensors tile a pool of this many normals (randn is the slow part)
 MAX_SHARD_BYTES = 2 * 1024**3
+WEIGHTS_FILE_MODE = 0o644
 # A stop probability so small that the stop id is less likely than one audio code is cut by top-p.
 MIN_STOP_PROBABILITY = 1.0 / (REFERENCE_TOP_P * CODEBOOK_SIZE)
 
@@ -150,6 +150,10 @@ def stop_logit(stop_probability: float) -> float:
     return AUDIO_LOGIT + REFERENCE_TEMPERATURE * math.log(CODEBOOK_SIZE * pre / (1.0 - pre))
 
 
+# (tensor name, shape, factory): tensors are only made when their shard is written.
+_PlanEntry = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
+
+
 class _Randn:
     """N(0, std) tensors fast: small ones drawn directly, big ones tiled from one pool at a random offset
     (the values only need to make the compute real, not be independent)."""
@@ -177,7 +181,7 @@ def _marker_scale(hidden_size: int) -> float:
     return amplitude / math.sqrt(amplitude**2 / hidden_size + RMS_NORM_EPS)
 
 
-def _embed_tokens(shape: ModelShape, rand: _Randn, dtype: torch.dtype) -> torch.Tensor:
+def _embed_tokens(shape: ModelShape, rand: _Randn) -> torch.Tensor:
     """Random small rows; audio ids and start of speech carry their context marker (sqrt(H) * one-hot)."""
     weight = rand(VOCAB_SIZE, shape.hidden_size)
     amplitude = math.sqrt(shape.hidden_size)
@@ -187,10 +191,10 @@ def _embed_tokens(shape: ModelShape, rand: _Randn, dtype: torch.dtype) -> torch.
         audio[slot, :, SLOT_MARKER_DIM0 + slot] = amplitude
     weight[START_OF_SPEECH_ID].zero_()
     weight[START_OF_SPEECH_ID, SOS_MARKER_DIM] = amplitude
-    return weight.to(dtype)
+    return weight
 
 
-def _lm_head(shape: ModelShape, rand: _Randn, dtype: torch.dtype, stop_probability: float) -> torch.Tensor:
+def _lm_head(shape: ModelShape, rand: _Randn, stop_probability: float) -> torch.Tensor:
     """Random rows outside the marker dims; on them, logit(context marker -> id) / marker value."""
     weight = rand(VOCAB_SIZE, shape.hidden_size)
     scale = _marker_scale(shape.hidden_size)
@@ -203,11 +207,11 @@ def _lm_head(shape: ModelShape, rand: _Randn, dtype: torch.dtype, stop_probabili
     audio[0, :, SOS_MARKER_DIM] = AUDIO_LOGIT / scale
     if stop_probability > 0:
         markers[END_OF_SPEECH_ID, SLOT_MARKER_DIM0 + SLOTS_PER_FRAME - 1] = stop_logit(stop_probability) / scale
-    return weight.to(dtype)
+    return weight
 
 
 def _tensor_plan(shape: ModelShape, dtype: torch.dtype, rand: _Randn, stop_probability: float
-                 ) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+                 ) -> list[_PlanEntry]:
     """(name, shape, make) for every tensor, in file order; tensors are made lazily, one shard at a time."""
     h, i = shape.hidden_size, shape.intermediate_size
     q_out = shape.num_attention_heads * shape.head_dim
@@ -222,8 +226,8 @@ def _tensor_plan(shape: ModelShape, dtype: torch.dtype, rand: _Randn, stop_proba
     def ones(*dims: int) -> Callable[[], torch.Tensor]:
         return lambda: torch.ones(*dims, dtype=dtype)
 
-    plan: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]] = [
-        ("model.embed_tokens.weight", (VOCAB_SIZE, h), lambda: _embed_tokens(shape, rand, dtype)),
+    plan: list[_PlanEntry] = [
+        ("model.embed_tokens.weight", (VOCAB_SIZE, h), lambda: _embed_tokens(shape, rand)),
     ]
     for layer in range(shape.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -241,14 +245,14 @@ def _tensor_plan(shape: ModelShape, dtype: torch.dtype, rand: _Randn, stop_proba
         ]
     plan += [
         ("model.norm.weight", (h,), ones(h)),
-        ("lm_head.weight", (VOCAB_SIZE, h), lambda: _lm_head(shape, rand, dtype, stop_probability)),
+        ("lm_head.weight", (VOCAB_SIZE, h), lambda: _lm_head(shape, rand, stop_probability)),
     ]
     return plan
 
 
-def _shards(plan: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]], itemsize: int
-            ) -> list[list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]]:
-    shards: list[list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]] = [[]]
+def _shards(plan: list[_PlanEntry], itemsize: int) -> list[list[_PlanEntry]]:
+    """Consecutive groups of at most MAX_SHARD_BYTES (a bigger tensor gets a shard of its own)."""
+    shards: list[list[_PlanEntry]] = [[]]
     size = 0
     for entry in plan:
         nbytes = math.prod(entry[1]) * itemsize
@@ -258,15 +262,6 @@ def _shards(plan: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]],
         shards[-1].append(entry)
         size += nbytes
     return shards
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_FILE_MODE = 0o666 & ~_umask()
 
 
 def _write_weights(out: Path, shape: ModelShape, dtype: torch.dtype, seed: int, stop_probability: float
@@ -285,7 +280,7 @@ def _write_weights(out: Path, shape: ModelShape, dtype: torch.dtype, seed: int, 
     for name, shard in zip(names, shards, strict=True):
         tensors = {key: make().contiguous() for key, _, make in shard}
         save_file(tensors, str(out / name), metadata={"format": "pt"})
-        (out / name).chmod(_FILE_MODE)  # safetensors writes 0600; match the other files
+        (out / name).chmod(WEIGHTS_FILE_MODE)  # safetensors writes 0600; others may serve the files
         for key, tensor in tensors.items():
             weight_map[key] = name
             total += tensor.numel() * itemsize
@@ -460,15 +455,13 @@ def build_test_snac(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def _iter_help() -> Iterator[str]:
-    for name, dims in SHAPES.items():
-        yield f"{name} ({dims.num_hidden_layers} layers, hidden {dims.hidden_size}, {dims.default_dtype})"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gateway.devmodels", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.devmodels",
+                                     description="Write a small Orpheus-compatible test model (and SNAC).")
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="; ".join(_iter_help()))
+    shapes_help = "; ".join(f"{name}: {dims.num_hidden_layers} layers, hidden {dims.hidden_size}"
+                            for name, dims in SHAPES.items())
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help=shapes_help)
     parser.add_argument("--stop-probability", type=float, default=0.02,
                         help="chance of stopping after each frame (0 = never)")
     parser.add_argument("--seed", type=int, default=0)
@@ -481,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {path} ({time.monotonic() - started:.1f} s)")
     if args.snac:
         print(f"snac: {build_test_snac(args.out_dir / 'snac', seed=args.seed)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from gateway.admission import CapacityError
     from gateway.server import Gateway
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
+OFFER_PATH = "/v1/webrtc/offer"
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:
@@ -22,6 +24,11 @@ def error_body(code: str, message: str) -> dict[str, Any]:
 
 def json_error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response(error_body(code, message), status=status, headers=headers)
+
+
+def capacity_error(exc: CapacityError) -> web.Response:
+    """503 `at_capacity` with the `Retry-After` a client should honour."""
+    return json_error(503, exc.code, str(exc), {"Retry-After": str(exc.retry_after_s)})
 
 
 def _json_http_error(cls: type[web.HTTPException], code: str, message: str, **kw: Any) -> web.HTTPException:

@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import Counter
 
+from gateway.admission import Admission, CapacityError
+from gateway.auth import AccessPolicy, AuthError
 from gateway.config import GatewayConfig
-from gateway.engine import EngineError, EngineState, EngineUnavailableError
-from gateway.http import GATEWAY_KEY, json_error, read_json_object
+from gateway.engine import EngineDeadError, EngineState, EngineUnavailableError
+from gateway.http import GATEWAY_KEY, OFFER_PATH, capacity_error, json_error, read_json_object
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics
 from gateway.orpheus import SAMPLE_RATE
@@ -29,6 +32,19 @@ log = logging.getLogger(__name__)
 SPEECH_FORMATS = ("wav", "pcm")
 WAV_STREAMING_SIZE = 0xFFFFFFFF  # unknown length: players read a streamed WAV up to the end
 GC_GEN0_THRESHOLD = 50_000  # young-generation collections are cheap; rare ones avoid stream-wide stalls
+ENGINE_RETRY_AFTER_S = 5  # an engine (re)start takes tens of seconds; ask again soon, not in a tight loop
+
+# Access: these stay open whatever the auth settings (probes, the public page); everything else needs a token.
+PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz"})
+PUBLIC_PREFIXES = ("/static/",)
+METRICS_PATH = "/metrics"
+QUERY_TOKEN_PATHS = frozenset({OFFER_PATH})  # clients that cannot set headers may pass ?token= here
+BEARER_PREFIX = "bearer "
+FORWARDED_HOST_HEADER = "X-Forwarded-Host"
+CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
+CORS_ALLOW_HEADERS = "Authorization, Content-Type"
+CORS_EXPOSE_HEADERS = "Retry-After, X-Sample-Rate"
+CORS_MAX_AGE_S = 600
 
 
 def wav_header(sample_rate: int = SAMPLE_RATE, data_bytes: int = WAV_STREAMING_SIZE) -> bytes:
@@ -47,6 +63,11 @@ class Gateway:
         self.metrics = Metrics()
         self.synthesizer = synthesizer
         self.sessions: Any = None  # set by gateway.session.SessionManager when WebRTC is mounted
+        self.admission = Admission.from_config(config)
+        self.access = AccessPolicy.from_lists(config.auth_token, config.auth_secret, config.allowed_origin)
+        # Refusals by error code (at_capacity, rate_limited, missing_token, ...): the operator's overload signal.
+        self.rejections_total = Counter("orpheus_rejections_total", "Requests and messages refused, by code.",
+                                        ["code"], registry=self.metrics.registry)
         self._owns_synthesizer = synthesizer is None
         self._start_task: asyncio.Task[None] | None = None
 
@@ -121,6 +142,53 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return json_error(exc.status, code, exc.reason)
 
 
+def _needs_token(path: str, config: GatewayConfig) -> bool:
+    if path == METRICS_PATH:
+        return config.protect_metrics
+    return path not in PUBLIC_PATHS and not path.startswith(PUBLIC_PREFIXES)
+
+
+def _request_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    if header[:len(BEARER_PREFIX)].lower() == BEARER_PREFIX:
+        return header[len(BEARER_PREFIX):].strip()
+    if request.path in QUERY_TOKEN_PATHS:
+        return request.query.get("token")
+    return None
+
+
+@web.middleware
+async def access_control(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Browser origin first (403), then CORS preflight, then the token (401) where the route needs one."""
+    gateway = request.app[GATEWAY_KEY]
+    origin = request.headers.get("Origin")
+    try:
+        gateway.access.check_origin(origin, (request.host, request.headers.get(FORWARDED_HOST_HEADER)))
+        if request.method == "OPTIONS" and origin is not None and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204, headers={"Access-Control-Allow-Methods": CORS_ALLOW_METHODS,
+                                                     "Access-Control-Allow-Headers": CORS_ALLOW_HEADERS,
+                                                     "Access-Control-Max-Age": str(CORS_MAX_AGE_S)})
+        if _needs_token(request.path, gateway.config):
+            subject = gateway.access.authenticate(_request_token(request))
+            if subject is not None:
+                log.debug("%s %s for %s", request.method, request.path, subject)
+    except AuthError as exc:
+        gateway.rejections_total.labels(exc.code).inc()
+        headers = {"WWW-Authenticate": 'Bearer realm="orpheus-gateway"'} if exc.status == 401 else None
+        return json_error(exc.status, exc.code, str(exc), headers)
+    return await handler(request)
+
+
+async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """CORS for listed origins, on every response (streamed ones too: this runs before headers are sent)."""
+    origin = request.headers.get("Origin")
+    if origin is None or not request.app[GATEWAY_KEY].access.listed_origin(origin):
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
+    response.headers.add("Vary", "Origin")
+
+
 # --- routes ------------------------------------------------------------------------------------------
 
 routes = web.RouteTableDef()
@@ -164,7 +232,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
     synthesizer = gateway.synthesizer
     if synthesizer is None or not gateway.ready:
         gateway.metrics.speech_requests_total.labels("503").inc()
-        return json_error(503, "engine_unavailable", "the speech engine is not ready", {"Retry-After": "5"})
+        return json_error(503, "engine_unavailable", "the speech engine is not ready",
+                          {"Retry-After": str(ENGINE_RETRY_AFTER_S)})
     fmt = body.get("response_format", "wav")
     if fmt not in SPEECH_FORMATS:
         return json_error(400, "invalid_response_format", f"response_format must be one of {list(SPEECH_FORMATS)}")
@@ -184,6 +253,12 @@ async def speech(request: web.Request) -> web.StreamResponse:
         voice = synthesizer.resolve_voice(voice)
     except InvalidRequestError as exc:
         return json_error(400, exc.code, str(exc))
+    try:
+        slot = gateway.admission.admit_stream()
+    except CapacityError as exc:
+        gateway.metrics.speech_requests_total.labels("503").inc()
+        gateway.rejections_total.labels(exc.code).inc()
+        return capacity_error(exc)
 
     stats = UtteranceStats()
     chunks = synthesizer.utterance(body["input"], voice, stats=stats)
@@ -193,12 +268,13 @@ async def speech(request: web.Request) -> web.StreamResponse:
             first = await anext(chunks)
         except StopAsyncIteration:
             first = None
-        except EngineUnavailableError as exc:
+        except (EngineUnavailableError, EngineDeadError) as exc:  # (re)starting: worth retrying shortly
             gateway.metrics.speech_requests_total.labels("503").inc()
-            return json_error(503, exc.code, str(exc), {"Retry-After": "5"})
-        except EngineError as exc:
+            return json_error(503, exc.code, str(exc), {"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+        except RuntimeError as exc:  # another engine error, or the SNAC worker failed this request's batch
             gateway.metrics.speech_requests_total.labels("500").inc()
-            return json_error(500, exc.code, str(exc))
+            log.warning("speech request failed before its first audio: %s", exc)
+            return json_error(500, getattr(exc, "code", "synthesis_failed"), str(exc))
         response = web.StreamResponse(headers={
             "Content-Type": "audio/wav" if fmt == "wav" else "audio/pcm",
             "X-Sample-Rate": str(SAMPLE_RATE), "Cache-Control": "no-store"})
@@ -215,7 +291,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
         gateway.metrics.speech_requests_total.labels("200").inc()
         _observe_utterance(gateway.metrics, stats)
         return response
-    except EngineError:
+    except RuntimeError:  # EngineError, or a failed SNAC decode
         # Mid-stream failure: the status is already sent; cut the connection so the client sees a truncated
         # transfer rather than a complete, shorter file.
         gateway.metrics.speech_requests_total.labels("500").inc()
@@ -225,6 +301,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
         return response or json_error(500, "engine_error", "speech failed")
     finally:
         await chunks.aclose()
+        slot.release()
 
 
 def _observe_utterance(metrics: Metrics, stats: UtteranceStats) -> None:
@@ -255,7 +332,7 @@ async def web_file(request: web.Request) -> web.FileResponse:
 def create_app(config: GatewayConfig, synthesizer: Synthesizer | None = None, *,
                webrtc: bool = True) -> web.Application:
     """The gateway's aiohttp application. Pass a started `synthesizer` to share one (tests, benchmarks)."""
-    app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[json_errors, access_control], client_max_size=config.max_body_bytes)
     gateway = Gateway(config, synthesizer)
     app[GATEWAY_KEY] = gateway
     app.add_routes(routes)
@@ -265,6 +342,7 @@ def create_app(config: GatewayConfig, synthesizer: Synthesizer | None = None, *,
         from gateway.session import mount_webrtc
 
         mount_webrtc(app, gateway)
+    app.on_response_prepare.append(add_cors_headers)
     app.on_startup.append(gateway.startup)
     app.on_cleanup.append(gateway.cleanup)
     return app

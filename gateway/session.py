@@ -8,6 +8,9 @@ engine made.
 Protocol (data channel `control`, one JSON object per message, <= 16 KiB):
   client -> server  speak {id, text, voice?, interrupt?, more?} | cancel {id?} | ping
   server -> client  ready | queued | started | segment | done | cancelled | pong | error {id?, code, message}
+
+Every utterance ends in exactly one of `done`, `cancelled` or an `error` naming its id (`at_capacity` when the
+engine is full, `engine_dead`, ...); a session closed by the gateway gets an `error` saying why first.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
+from gateway.admission import CapacityError, Slot, TokenBucket
 from gateway.engine import EngineError
-from gateway.http import GATEWAY_KEY, json_error, read_json_object
+from gateway.http import GATEWAY_KEY, OFFER_PATH, capacity_error, json_error, read_json_object
 from gateway.orpheus import SentenceSplitter
 from gateway.playout import MAX_JITTER_BUFFER_MS, SAMPLE_RATE_OUT, PlayoutEvent, PlayoutEventKind, PlayoutTrack
 from gateway.synthesizer import InvalidRequestError, UtteranceStats
 
 if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
     from gateway.server import Gateway
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,13 @@ CONTROL_LABEL = "control"
 MAX_MESSAGE_BYTES = 16 * 1024
 MAX_ID_CHARS = 128
 SEGMENT_MARKER = "segment"
+RATE_LIMITED = "rate_limited"
+NETWORK_RETRY_AFTER_S = 5
+MAX_ERROR_DETAIL_CHARS = 300  # an exception's text echoed to the client: enough to debug, not a whole SDP
+RATE_ERROR_INTERVAL_S = 1.0  # other than a refused speak (always answered), one rate_limited error per second
+WATCH_CHECKS_PER_TIMEOUT = 4  # a timeout is noticed within 1/4 of its length
+CLOSE_FLUSH_TIMEOUT_S = 1.0  # how long a closing session waits for its last events (why it closes) to leave
+MAX_ABANDONED_IDS = 256  # ids of utterances ended while their text was still arriving (later pieces are ignored)
 
 
 class ProtocolError(Exception):
@@ -102,10 +114,12 @@ def _check_bool(msg: dict[str, Any], key: str, utterance_id: str | None) -> bool
 class Session:
     """One browser peer: its connection, its playout track, its utterance queue."""
 
-    def __init__(self, manager: SessionManager, pc: RTCPeerConnection, voice: str, jitter_buffer_ms: int) -> None:
+    def __init__(self, manager: SessionManager, pc: RTCPeerConnection, voice: str, jitter_buffer_ms: int,
+                 slot: Slot | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.manager = manager
         self.gateway = manager.gateway
+        config = self.gateway.config
         self.pc = pc
         self.voice = voice
         self.jitter_buffer_ms = jitter_buffer_ms
@@ -113,9 +127,14 @@ class Session:
         self.channel: RTCDataChannel | None = None
         self.created_at = time.monotonic()
         self.last_message_at = self.created_at
+        self.heartbeat_armed = False  # set by the first ping: a client that pings must keep pinging
         self.closed = False
+        self._slot = slot  # this session's place in the gateway's admission count
+        self._rate = TokenBucket(config.max_messages_per_second, config.message_burst)
+        self._rate_error_at = -RATE_ERROR_INTERVAL_S
         self._pending: asyncio.Queue[Utterance] = asyncio.Queue()
         self._utterances: dict[str, Utterance] = {}  # queued, synthesising or playing
+        self._abandoned: dict[str, None] = {}  # insertion-ordered set, trimmed to MAX_ABANDONED_IDS
         self._synthesizing: Utterance | None = None
         self._synth_task: asyncio.Task[None] | None = None
         self._worker = asyncio.create_task(self._run(), name=f"session-{self.id[:8]}")
@@ -149,8 +168,8 @@ class Session:
         if channel is not None and channel.readyState == "open":
             channel.send(json.dumps(message, ensure_ascii=False))
 
-    def send_error(self, code: str, message: str, utterance_id: str | None = None) -> None:
-        event: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    def send_error(self, code: str, message: str, utterance_id: str | None = None, **extra: Any) -> None:
+        event: dict[str, Any] = {"type": "error", "code": code, "message": message, **extra}
         if utterance_id is not None:
             event["id"] = utterance_id
         self.send(event)
@@ -158,6 +177,9 @@ class Session:
     # --- protocol ---------------------------------------------------------------------------------
     def _on_message(self, raw: str | bytes) -> None:
         self.last_message_at = time.monotonic()
+        if not self._rate.take():
+            self._refuse_rate_limited(raw)
+            return
         try:
             self.handle(raw)
         except ProtocolError as exc:
@@ -165,6 +187,18 @@ class Session:
         except Exception:  # a bug must cost one message, never the session
             log.exception("session %s: message handling failed", self.id)
             self.send_error("internal_error", "the message could not be handled")
+
+    def _refuse_rate_limited(self, raw: str | bytes) -> None:
+        """Drop a message over the rate; a refused speak is always answered, so no utterance is lost silently."""
+        self.gateway.rejections_total.labels(RATE_LIMITED).inc()
+        utterance_id = _speak_id(raw)
+        now = time.monotonic()
+        if utterance_id is None and now - self._rate_error_at < RATE_ERROR_INTERVAL_S:
+            return  # a flood must not be doubled by our replies
+        self._rate_error_at = now
+        rate = self.gateway.config.max_messages_per_second
+        self.send_error(RATE_LIMITED, f"more than {rate:g} messages per second; this message was dropped",
+                        utterance_id)
 
     def handle(self, raw: str | bytes) -> None:
         if isinstance(raw, bytes):
@@ -183,6 +217,7 @@ class Session:
         elif kind == "cancel":
             self._cancel(_check_str(msg, "id", required=False, max_chars=MAX_ID_CHARS))
         elif kind == "ping":
+            self.heartbeat_armed = True
             self.send({"type": "pong", "t": msg.get("t") if isinstance(msg.get("t"), (int, float, str)) else None})
         else:
             raise ProtocolError("unknown_type", f"unknown message type {kind!r}; expected speak, cancel or ping")
@@ -202,6 +237,13 @@ class Session:
             raise ProtocolError("engine_unavailable", "the speech engine is still starting", utterance_id)
         limit = self.gateway.config.max_text_chars
 
+        if utterance_id in self._abandoned:
+            # The rest of an utterance cancelled or failed while its text was arriving: speaking the tail as a
+            # new utterance would be wrong. Its last piece (more false) frees the id for reuse.
+            if not more:
+                del self._abandoned[utterance_id]
+            raise ProtocolError("utterance_ended", f"utterance {utterance_id!r} has already ended (cancelled or "
+                                "failed); this piece of its text is ignored", utterance_id)
         existing = self._utterances.get(utterance_id)
         if existing is not None:
             if existing.closed:
@@ -247,8 +289,24 @@ class Session:
         utterance.cancelled = True
         self._utterances.pop(utterance.id, None)
         self.track.clear(utterance.id)
+        if not utterance.closed:
+            self._abandon(utterance.id)
         if utterance is self._synthesizing and self._synth_task is not None:
             self._synth_task.cancel()  # closes the audio stream, which aborts the engine request
+
+    def _abandon(self, utterance_id: str) -> None:
+        self._abandoned[utterance_id] = None
+        while len(self._abandoned) > MAX_ABANDONED_IDS:
+            del self._abandoned[next(iter(self._abandoned))]
+
+    def _fail(self, utterance: Utterance, code: str, message: str, outcome: str = "failed", **extra: Any) -> None:
+        """End an utterance with an `error` event naming it."""
+        self._utterances.pop(utterance.id, None)
+        self.track.clear(utterance.id)
+        if not utterance.closed:
+            self._abandon(utterance.id)
+        self.send_error(code, message, utterance.id, **extra)
+        self.gateway.metrics.utterances_total.labels(outcome).inc()
 
     # --- synthesis worker -------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -257,8 +315,16 @@ class Session:
             self.gateway.metrics.queue_depth.dec()
             if utterance.cancelled:
                 continue
+            try:
+                slot = self.gateway.admission.admit_stream()
+            except CapacityError as exc:
+                self.gateway.rejections_total.labels(exc.code).inc()
+                self._fail(utterance, exc.code, str(exc), "rejected", retry_after_s=exc.retry_after_s)
+                continue
             self._synthesizing = utterance
             self._synth_task = asyncio.create_task(self._synthesize(utterance))
+            # Released however the task ends, even when it is cancelled before it starts running.
+            self._synth_task.add_done_callback(lambda _task, slot=slot: slot.release())
             # wait() rather than await: a cancelled utterance must not look like a cancelled worker.
             await asyncio.wait([self._synth_task])
             self._synthesizing = None
@@ -282,12 +348,12 @@ class Session:
             if stats.finished_at is not None and stats.audio_s > 0:
                 metrics.rtf.observe((stats.finished_at - stats.started) / stats.audio_s)
         except (EngineError, InvalidRequestError, RuntimeError) as exc:
-            code = getattr(exc, "code", "synthesis_failed")
+            # RuntimeError: the SNAC worker failed this utterance's decode batch.
             log.warning("session %s: utterance %s failed: %s", self.id, utterance.id, exc)
-            self._utterances.pop(utterance.id, None)
-            track.clear(utterance.id)
-            self.send_error(code, str(exc), utterance.id)
-            self.gateway.metrics.utterances_total.labels("failed").inc()
+            self._fail(utterance, getattr(exc, "code", "synthesis_failed"), str(exc))
+        except Exception:  # a bug must cost one utterance (reported), never the session's worker
+            log.exception("session %s: utterance %s failed", self.id, utterance.id)
+            self._fail(utterance, "internal_error", "the utterance could not be synthesised")
 
     def _on_playout_event(self, event: PlayoutEvent) -> None:
         utterance = self._utterances.get(event.utterance_id)
@@ -311,23 +377,54 @@ class Session:
 
     # --- lifetime ---------------------------------------------------------------------------------
     async def _watch(self) -> None:
-        """Close sessions that went quiet: idle too long, or (with heartbeats on) a vanished peer."""
+        """Close sessions that never connected, went quiet (idle, or a vanished peer) or ran too long."""
         config = self.gateway.config
-        timeouts = [t for t in (config.session_idle_timeout_s, config.heartbeat_timeout_s) if t > 0]
+        timeouts = [t for t in (config.session_idle_timeout_s, config.heartbeat_timeout_s,
+                                config.session_connect_timeout_s, config.max_session_s) if t > 0]
         if not timeouts:
             return
-        check_every = min(timeouts) / 4
+        check_every = min(timeouts) / WATCH_CHECKS_PER_TIMEOUT
         while not self.closed:
             await asyncio.sleep(check_every)
-            quiet = time.monotonic() - self.last_message_at
-            busy = bool(self._utterances)
-            if config.heartbeat_timeout_s > 0 and self.channel is not None and quiet > config.heartbeat_timeout_s:
-                log.info("session %s: no heartbeat for %.1f s; closing", self.id, quiet)
-                break
-            if quiet > config.session_idle_timeout_s and not busy:
-                self.send_error("idle_timeout", "session closed after being idle")
-                break
+            reason = self._expired(config, time.monotonic())
+            if reason is not None:
+                code, message = reason
+                log.info("session %s: %s (%s); closing", self.id, message, code)
+                await self.end(code, message)
+                return
+
+    def _expired(self, config: GatewayConfig, now: float) -> tuple[str, str] | None:
+        """(code, message) of the limit this session has run past, if any."""
+        age, quiet = now - self.created_at, now - self.last_message_at
+        if self.channel is None and 0 < config.session_connect_timeout_s < age:
+            return "connect_timeout", f"the data channel did not open within {config.session_connect_timeout_s:g} s"
+        if 0 < config.max_session_s < age:
+            return "session_time_limit", f"sessions are limited to {config.max_session_s:g} s; connect again"
+        if self.heartbeat_armed and 0 < config.heartbeat_timeout_s < quiet:
+            return "heartbeat_timeout", f"no ping for {quiet:.1f} s"
+        if 0 < config.session_idle_timeout_s < quiet and not self._utterances:
+            return "idle_timeout", "session closed after being idle"
+        return None
+
+    async def end(self, code: str, message: str) -> None:
+        """Close the session at the gateway's initiative, telling the client why first."""
+        if self.closed:
+            return
+        self.send_error(code, message)
+        await self._flush()
         await self.close()
+
+    async def _flush(self) -> None:
+        """Let queued events leave before closing: the close aborts SCTP, dropping anything still queued."""
+        channel = self.channel
+        if channel is None or channel.readyState != "open" or channel.bufferedAmount == 0:
+            return
+        drained = asyncio.Event()
+        channel.once("bufferedamountlow", drained.set)  # threshold 0: everything queued has been sent
+        try:
+            await asyncio.wait_for(drained.wait(), CLOSE_FLUSH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            channel.remove_listener("bufferedamountlow", drained.set)
 
     async def close(self) -> None:
         if self.closed:
@@ -345,8 +442,14 @@ class Session:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self.track.stop()
-        await self.pc.close()
-        self.manager.forget(self)
+        try:
+            await self.pc.close()
+        except Exception:  # aiortc can fail to close a peer whose negotiation failed half way (fuzzing found it)
+            log.debug("session %s: closing the peer connection failed", self.id, exc_info=True)
+        finally:
+            if self._slot is not None:
+                self._slot.release()
+            self.manager.forget(self)
 
 
 class SessionManager:
@@ -362,9 +465,13 @@ class SessionManager:
                    for url in config.ice_servers]
         return RTCConfiguration(iceServers=servers)  # [] (not None): no public STUN server is contacted
 
-    async def open(self, offer: RTCSessionDescription, voice: str, jitter_buffer_ms: int) -> Session:
-        pc = RTCPeerConnection(self.ice_configuration())
-        session = Session(self, pc, voice, jitter_buffer_ms)
+    async def open(self, offer: RTCSessionDescription, voice: str, jitter_buffer_ms: int, slot: Slot) -> Session:
+        try:
+            pc = RTCPeerConnection(self.ice_configuration())
+            session = Session(self, pc, voice, jitter_buffer_ms, slot)
+        except BaseException:
+            slot.release()
+            raise
         self.sessions[session.id] = session
         self.gateway.metrics.sessions_active.inc()
         self.gateway.metrics.sessions_total.inc()
@@ -382,7 +489,22 @@ class SessionManager:
             self.gateway.metrics.sessions_active.dec()
 
     async def close_all(self) -> None:
-        await asyncio.gather(*(s.close() for s in list(self.sessions.values())), return_exceptions=True)
+        await asyncio.gather(*(s.end("shutting_down", "the gateway is shutting down; connect again shortly")
+                               for s in list(self.sessions.values())), return_exceptions=True)
+
+
+def _speak_id(raw: str | bytes) -> str | None:
+    """The id of a speak message, if `raw` is one (for answering a message that is otherwise dropped)."""
+    if not isinstance(raw, str) or len(raw) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or msg.get("type") != "speak":
+        return None
+    utterance_id = msg.get("id")
+    return utterance_id if isinstance(utterance_id, str) and 0 < len(utterance_id) <= MAX_ID_CHARS else None
 
 
 # --- signalling routes -------------------------------------------------------------------------------
@@ -407,12 +529,20 @@ async def offer(request: web.Request) -> web.Response:
     if not isinstance(voice, str) or voice not in gateway.config.voice_list:
         return json_error(400, "unknown_voice", f"unknown voice {voice!r}; known voices: {gateway.config.voice_list}")
     manager: SessionManager = gateway.sessions
-    if len(manager.sessions) >= gateway.config.max_sessions:
-        return json_error(503, "at_capacity", "the gateway is at capacity; try again shortly", {"Retry-After": "10"})
     try:
-        session = await manager.open(RTCSessionDescription(sdp=sdp, type="offer"), voice, jitter)
-    except (ValueError, AssertionError, KeyError, IndexError) as exc:
-        return json_error(400, "invalid_sdp", f"the offer could not be used: {exc}")
+        slot = gateway.admission.admit_session()
+    except CapacityError as exc:
+        gateway.rejections_total.labels(exc.code).inc()
+        return capacity_error(exc)
+    try:
+        session = await manager.open(RTCSessionDescription(sdp=sdp, type="offer"), voice, jitter, slot)
+    except OSError:
+        log.exception("could not set up a peer connection")
+        return json_error(503, "network_unavailable", "the gateway could not open a peer connection",
+                          {"Retry-After": str(NETWORK_RETRY_AFTER_S)})
+    except Exception as exc:  # aiortc rejects malformed SDP with many exception types
+        log.info("offer refused: %r", exc)
+        return json_error(400, "invalid_sdp", f"the offer could not be used: {exc}"[:MAX_ERROR_DETAIL_CHARS])
     local = session.pc.localDescription
     return web.json_response({"sdp": local.sdp, "type": local.type, "session_id": session.id})
 
@@ -428,5 +558,5 @@ async def end_session(request: web.Request) -> web.Response:
 
 def mount_webrtc(app: web.Application, gateway: Gateway) -> None:
     gateway.sessions = SessionManager(gateway)
-    app.router.add_post("/v1/webrtc/offer", offer)
+    app.router.add_post(OFFER_PATH, offer)
     app.router.add_delete("/v1/webrtc/sessions/{session_id}", end_session)

@@ -4,6 +4,12 @@
 const PING_INTERVAL_MS = 2000; // the gateway treats these pings as a heartbeat
 const ICE_GATHERING_TIMEOUT_MS = 5000;
 
+// A gateway with auth on needs a token: the lesson backend opens the page as `...?token=<token>`.
+function authHeaders() {
+  const token = new URLSearchParams(location.search).get('token');
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
 /** An HTTP error answered by the gateway (`{"error": {"code", "message"}}`). */
 export class GatewayError extends Error {
   constructor(status, code, message) {
@@ -67,7 +73,7 @@ export class TutorConnection extends EventTarget {
     if (voice) body.voice = voice;
     const response = await fetch(`${this.baseUrl}/v1/webrtc/offer`, {
       method: 'POST',
-      headers: { 'Content-Type': 'application/json' },
+      headers: { 'Content-Type': 'application/json', ...authHeaders() },
       body: JSON.stringify(body),
     });
     const answer = await response.json().catch(() => null);
@@ -146,6 +152,6 @@ export class TutorConnection extends EventTarget {
     if (!this.sessionId) return;
     const url = `${this.baseUrl}/v1/webrtc/sessions/${encodeURIComponent(this.sessionId)}`;
     // keepalive lets the request outlive the page when it is being closed
-    await fetch(url, { method: 'DELETE', keepalive }).catch(() => {});
+    await fetch(url, { method: 'DELETE', keepalive, headers: authHeaders() }).catch(() => {});
   }
 }

@@ -1,0 +1,87 @@
+"""Engine level: each user's phrases go straight into `Synthesizer.utterance` in this process (no network).
+
+Every audio chunk's arrival time and length are recorded; so are the first generated token and the first
+complete SNAC frame (7 audio tokens), which `TimedStats` notices as the synthesizer counts tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, new_record
+from bench.settings import BenchOptions
+from bench.timing import FRAME_TOKENS
+from gateway.orpheus import SAMPLE_RATE
+from gateway.synthesizer import Synthesizer, UtteranceStats
+
+
+@dataclass
+class TimedStats(UtteranceStats):
+    """UtteranceStats that also notes when the first whole SNAC frame (7 tokens) and the last token arrived.
+
+    The synthesizer adds each engine output's ids to `tokens`; the prompt ends with start-of-speech, so
+    every generated id is an audio id until the stop id.
+    """
+
+    first_frame_at: float | None = None
+    last_token_at: float | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "tokens" and value > 0:
+            now = time.monotonic()
+            object.__setattr__(self, "last_token_at", now)
+            if value >= FRAME_TOKENS and self.first_frame_at is None:
+                object.__setattr__(self, "first_frame_at", now)
+
+
+async def run_point(synth: Synthesizer, workload: Sequence[Sequence[PlannedRequest]], options: BenchOptions
+                    ) -> list[RequestRecord]:
+    """All users at once; each speaks its phrases one after the other."""
+    origin = time.monotonic()
+    per_user = await asyncio.gather(*(_run_user(synth, requests, options, origin) for requests in workload))
+    return [record for records in per_user for record in records]
+
+
+async def _run_user(synth: Synthesizer, requests: Sequence[PlannedRequest], options: BenchOptions, origin: float
+                    ) -> list[RequestRecord]:
+    return [await _run_request(synth, request, options, origin) for request in requests]
+
+
+async def _run_request(synth: Synthesizer, request: PlannedRequest, options: BenchOptions, origin: float
+                       ) -> RequestRecord:
+    stats = TimedStats()
+    record = new_record(request, stats.started - origin)
+    arrivals: list[tuple[float, float]] = []
+    try:
+        await asyncio.wait_for(_collect(synth, request, stats, arrivals), options.request_timeout_s)
+        record.ok = bool(arrivals)
+        record.error = None if arrivals else "no_audio"
+    except Exception as exc:  # one failed stream is a data point, not the end of the run
+        record.error = f"{type(exc).__name__}: {exc}"
+    _fill_engine_figures(record, stats, arrivals)
+    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals)
+    return record
+
+
+async def _collect(synth: Synthesizer, request: PlannedRequest, stats: TimedStats,
+                   arrivals: list[tuple[float, float]]) -> None:
+    async for chunk in synth.utterance(request.phrase.text, None, stats=stats):
+        arrivals.append((time.monotonic() - stats.started, len(chunk.pcm) / SAMPLE_RATE))
+
+
+def _fill_engine_figures(record: RequestRecord, stats: TimedStats, arrivals: list[tuple[float, float]]) -> None:
+    record.tokens = stats.tokens
+    record.ttft_ms = _ms_after(stats.first_token_at, stats.started)
+    record.ttff_ms = _ms_after(stats.first_frame_at, stats.started)
+    record.generated_ms = _ms_after(stats.last_token_at, stats.started)
+    if arrivals:
+        record.done_ms = round(arrivals[-1][0] * MS, 2)
+
+
+def _ms_after(at: float | None, start: float) -> float | None:
+    return None if at is None else round((at - start) * MS, 2)

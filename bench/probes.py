@@ -1,0 +1,128 @@
+"""Where the time goes during a measurement point: engine process, SNAC worker, event loop.
+
+CPU time is read per thread of this process (the event loop thread runs asyncio, aiortc and vLLM's output
+handling; the `snac-decoder` thread runs SNAC; the rest are torch/OpenMP and library threads) and per child
+process (vLLM's engine core). An event-loop lag monitor shows how late the loop wakes up, which is what
+delays every stream's chunks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from bench.timing import describe
+
+LAG_INTERVAL_S = 0.01  # how often the lag monitor wakes up
+SNAC_THREAD_NAME = "snac-decoder"
+MS = 1000.0
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    at: float
+    loop_thread_s: float
+    snac_thread_s: float
+    other_threads_s: float
+    children_s: dict[int, float]
+    snac_batches: int
+    snac_windows: int
+    snac_busy_s: float
+
+
+def _thread_ids() -> tuple[int | None, int | None]:
+    loop_id = threading.current_thread().native_id
+    snac_id = next((t.native_id for t in threading.enumerate() if t.name == SNAC_THREAD_NAME), None)
+    return loop_id, snac_id
+
+
+def cpu_snapshot(decoder: Any) -> CpuSnapshot:
+    """CPU seconds so far by thread group and child process, and the SNAC worker's counters."""
+    proc = psutil.Process()
+    loop_id, snac_id = _thread_ids()
+    by_thread = {t.id: t.user_time + t.system_time for t in proc.threads()}
+    loop_s = by_thread.pop(loop_id, 0.0) if loop_id is not None else 0.0
+    snac_s = by_thread.pop(snac_id, 0.0) if snac_id is not None else 0.0
+    children: dict[int, float] = {}
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            children[child.pid] = times.user + times.system
+    stats = decoder.stats
+    return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children,
+                       stats.batches, stats.windows, stats.busy_s)
+
+
+def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
+    """CPU seconds spent between two snapshots, and the SNAC worker's batching over that time."""
+    wall = after.at - before.at
+    children = sum(after.children_s[pid] - before.children_s.get(pid, 0.0) for pid in after.children_s)
+    batches = after.snac_batches - before.snac_batches
+    windows = after.snac_windows - before.snac_windows
+    busy = after.snac_busy_s - before.snac_busy_s
+    return {
+        "wall_s": round(wall, 3),
+        "cpu_s": {
+            "engine_processes": round(children, 3),
+            "event_loop_thread": round(after.loop_thread_s - before.loop_thread_s, 3),
+            "snac_thread": round(after.snac_thread_s - before.snac_thread_s, 3),
+            "other_threads": round(after.other_threads_s - before.other_threads_s, 3),
+        },
+        "snac": {
+            "batches": batches,
+            "windows": windows,
+            "mean_batch": round(windows / batches, 2) if batches else None,
+            "busy_s": round(busy, 3),
+            "busy_share": round(busy / wall, 3) if wall > 0 else None,
+            "ms_per_batch": round(busy / batches * MS, 2) if batches else None,
+        },
+    }
+
+
+@dataclass
+class LoopLagMonitor:
+    """Samples how late the event loop wakes up from a short sleep, while a point runs."""
+
+    lags_s: list[float] = field(default_factory=list)
+    _task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(LAG_INTERVAL_S)
+            self.lags_s.append(max(0.0, time.monotonic() - t0 - LAG_INTERVAL_S))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._sample())
+
+    async def stop(self) -> dict[str, Any]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return describe(self.lags_s, MS)
+
+
+class PointProbe:
+    """CPU split and event-loop lag over one measurement point: `start()`, run, `await stop()`."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        self.monitor = LoopLagMonitor()
+        self.before: CpuSnapshot | None = None
+
+    def start(self) -> None:
+        self.before = cpu_snapshot(self.decoder)
+        self.monitor.start()
+
+    async def stop(self) -> dict[str, Any]:
+        lag = await self.monitor.stop()
+        after = cpu_snapshot(self.decoder)
+        assert self.before is not None, "start() first"
+        return {**cpu_delta(self.before, after), "loop_lag_ms": lag}

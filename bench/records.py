@@ -1,0 +1,140 @@
+"""Per-request records and the per-point summary both levels share.
+
+A request is one phrase spoken by one user. Its audio is a list of arrivals `(seconds after the request was
+sent, seconds of audio)`: SNAC chunks at the engine level, received 20 ms audible frames at the WebRTC level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench.corpus import Phrase
+from bench.timing import describe, gaps, simulate_playback
+
+MS = 1000.0
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    user: int
+    index: int  # position in the user's sequence of phrases
+    phrase: Phrase
+
+    @property
+    def request_id(self) -> str:
+        return f"u{self.user}-p{self.index}"
+
+
+@dataclass
+class RequestRecord:
+    user: int
+    index: int
+    lang: str
+    size: str
+    chars: int
+    sent_at_s: float  # when it was sent, after the point started
+    ok: bool = False
+    error: str | None = None
+    ttft_ms: float | None = None  # engine level only
+    ttff_ms: float | None = None  # engine level only
+    generated_ms: float | None = None  # engine level only: the last token (generation done)
+    ttfa_ms: float | None = None
+    done_ms: float | None = None  # last audio (engine) or the `done` event (WebRTC), after sending
+    audio_s: float = 0.0
+    tokens: int | None = None
+    chunks: int = 0
+    rtf: float | None = None  # done / audio of this stream
+    max_gap_ms: float | None = None
+    gap_p95_ms: float | None = None
+    playback: dict[str, dict[str, Any]] = field(default_factory=dict)  # by client buffer (ms)
+    server: dict[str, Any] | None = None  # WebRTC: the server's `started`/`done` figures
+    arrivals: list[tuple[float, float]] | None = None  # kept only with --keep-arrivals (ms, ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def new_record(request: PlannedRequest, sent_at_s: float) -> RequestRecord:
+    phrase = request.phrase
+    return RequestRecord(user=request.user, index=request.index, lang=phrase.lang, size=phrase.size,
+                         chars=phrase.chars, sent_at_s=round(sent_at_s, 4))
+
+
+def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]], buffers_ms: Sequence[int],
+                   tolerance_ms: float, keep: bool) -> None:
+    """Fill the audio figures of `record` from its arrivals (seconds after sending, seconds of audio)."""
+    record.chunks = len(arrivals)
+    record.audio_s = round(sum(d for _, d in arrivals), 4)
+    if arrivals:
+        record.ttfa_ms = round(arrivals[0][0] * MS, 2)
+        between = describe(gaps([t for t, _ in arrivals]), MS)
+        record.max_gap_ms = between["max"]
+        record.gap_p95_ms = between["p95"]
+    for buffer_ms in buffers_ms:
+        played = simulate_playback(arrivals, buffer_ms / MS, tolerance_ms / MS)
+        record.playback[str(buffer_ms)] = {
+            "stalled": played.stalled, "stalls": played.stalls, "stall_ms": round(played.stall_s * MS, 2),
+            "max_late_ms": round(played.max_late_s * MS, 2)}
+    if record.done_ms is not None and record.audio_s > 0:
+        record.rtf = round(record.done_ms / MS / record.audio_s, 4)
+    if keep:
+        record.arrivals = [(round(t * MS, 2), round(d * MS, 2)) for t, d in arrivals]
+
+
+def summarize(records: Sequence[RequestRecord], users: int, buffers_ms: Sequence[int]) -> dict[str, Any]:
+    """The per-point figures the tables and plots show (definitions in bench/README.md)."""
+    ok = [r for r in records if r.ok]
+    ends = [r.sent_at_s + r.done_ms / MS for r in ok if r.done_ms is not None]
+    wall_s = max(ends) - min(r.sent_at_s for r in records) if ends else None
+    audio_s = sum(r.audio_s for r in ok)
+    summary: dict[str, Any] = {
+        "users": users,
+        "requests": len(records),
+        "ok": len(ok),
+        "success_rate": round(len(ok) / len(records), 4) if records else None,
+        "wall_s": _round(wall_s),
+        "audio_s": round(audio_s, 3),
+        "rtf": _round(wall_s / audio_s if wall_s and audio_s else None),
+        "realtime_users": _round(audio_s / wall_s if wall_s and audio_s else None),
+        "ttft_ms": describe([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "ttff_ms": describe([r.ttff_ms for r in ok if r.ttff_ms is not None]),
+        "ttfa_ms": describe([r.ttfa_ms for r in ok if r.ttfa_ms is not None]),
+        "generated_ms": describe([r.generated_ms for r in ok if r.generated_ms is not None]),
+        "stream_rtf": describe([r.rtf for r in ok if r.rtf is not None]),
+        "max_gap_ms": max((r.max_gap_ms for r in ok if r.max_gap_ms is not None), default=None),
+        "playback": {str(b): _playback_summary(records, str(b)) for b in buffers_ms},
+        "errors": sorted({r.error for r in records if r.error}),
+    }
+    servers = [r.server for r in ok if r.server]
+    if servers:
+        summary["server"] = _server_summary(servers)
+    return summary
+
+
+def _playback_summary(records: Sequence[RequestRecord], buffer_key: str) -> dict[str, Any]:
+    """Streams that stalled, and users whose every stream played without a stall (real-time users)."""
+    stalled_users = {r.user for r in records if not r.ok or r.playback[buffer_key]["stalled"]}
+    users = {r.user for r in records}
+    played = [r.playback[buffer_key] for r in records if r.ok]
+    return {
+        "streams_stalled": sum(1 for r in records if not r.ok or r.playback[buffer_key]["stalled"]),
+        "realtime_users": len(users - stalled_users),
+        "stall_ms_max": max((p["stall_ms"] for p in played), default=None),
+        "max_late_ms": max((p["max_late_ms"] for p in played), default=None),
+    }
+
+
+def _server_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "ttfa_ms": describe([s["ttfa_ms"] for s in servers if s.get("ttfa_ms") is not None]),
+        "audio_s": round(sum(s.get("audio_ms", 0) for s in servers) / MS, 3),
+        "underruns": sum(s.get("underruns", 0) for s in servers),
+        "underrun_ms": sum(s.get("underrun_ms", 0) for s in servers),
+        "streams_with_underruns": sum(1 for s in servers if s.get("underruns", 0) > 0),
+    }
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)

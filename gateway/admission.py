@@ -1,0 +1,112 @@
+"""Capacity accounting: how many sessions and synthesising utterances the gateway takes on, and how fast a
+session may send messages.
+
+One `Admission` per gateway, shared by the HTTP routes and the WebRTC sessions: a session or an utterance
+holds a `Slot` while it runs and releases it when it ends. Refusing new work at the limit is what lets the
+streams already running keep real time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+from gateway.config import GatewayConfig
+from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
+
+AT_CAPACITY = "at_capacity"
+SESSION_RETRY_AFTER_S = 10  # a session slot frees when a lesson ends: minutes; ask again in a while
+STREAM_RETRY_AFTER_S = 2  # an utterance slot frees when a sentence has been generated: seconds
+
+
+class CapacityError(Exception):
+    """The gateway is full: HTTP 503 with `Retry-After`, or an `error` event with code `at_capacity`."""
+
+    code = AT_CAPACITY
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Slot:
+    """A unit of admitted work; `release()` (idempotent) gives it back. Usable as a context manager."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+class Admission:
+    """Counts sessions and synthesising utterances ("streams") against the configured limits."""
+
+    def __init__(self, max_sessions: int, max_streams: int, tokens_per_second: float = 0.0) -> None:
+        self.max_sessions = max_sessions
+        # The token budget caps streams too: each real-time stream needs AUDIO_TOKENS_PER_SECOND.
+        by_budget = math.floor(tokens_per_second / AUDIO_TOKENS_PER_SECOND) if tokens_per_second > 0 else max_streams
+        self.max_streams = min(max_streams, by_budget)
+        self.sessions = 0
+        self.streams = 0
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> Admission:
+        engine_slots = config.max_num_seqs * config.data_parallel_size
+        return cls(config.max_sessions, config.max_in_flight_utterances or engine_slots,
+                   config.engine_tokens_per_second)
+
+    def admit_session(self) -> Slot:
+        if self.sessions >= self.max_sessions:
+            raise CapacityError(f"the gateway is at capacity ({self.max_sessions} sessions); try again shortly",
+                                SESSION_RETRY_AFTER_S)
+        self.sessions += 1
+        return Slot(self._end_session)
+
+    def admit_stream(self) -> Slot:
+        """One more utterance synthesising, if every running stream keeps real time with it."""
+        if self.streams >= self.max_streams:
+            raise CapacityError(f"the speech engine is at capacity ({self.max_streams} utterances at once); "
+                                "try again shortly", STREAM_RETRY_AFTER_S)
+        self.streams += 1
+        return Slot(self._end_stream)
+
+    def _end_session(self) -> None:
+        self.sessions -= 1
+
+    def _end_stream(self) -> None:
+        self.streams -= 1
+
+
+class TokenBucket:
+    """`rate` events per second on average, up to `burst` at once; rate 0 = unlimited."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._updated = clock()
+
+    def take(self) -> bool:
+        """Spend one token; False (nothing spent) when the bucket is empty."""
+        if self.rate <= 0:
+            return True
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._updated) * self.rate)
+        self._updated = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True

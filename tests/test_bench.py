@@ -1,0 +1,108 @@
+"""Benchmarks: the measurement arithmetic on its own, and a smoke run of both levels on the shared tiny engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.corpus import SIZES, mixed
+from bench.report import markdown_table
+from bench.run import run_scenarios
+from bench.settings import parse_options
+from bench.timing import describe, simulate_playback, token_budget
+from bench.webrtc_level import audio_frames
+from gateway.client import ReceivedFrame
+from gateway.config import GatewayConfig
+from gateway.synthesizer import Synthesizer
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+LOUD, TAIL, QUIET = 3000.0, 25.0, 0.0
+
+
+# --- arithmetic (no engine) --------------------------------------------------------------------------
+
+def test_playback_stalls_only_when_a_chunk_misses_its_playout_time() -> None:
+    arrivals = [(0.0, 0.1), (0.05, 0.1), (0.35, 0.1), (0.36, 0.1)]  # third chunk 150 ms late without buffer
+    no_buffer = simulate_playback(arrivals, 0.0)
+    assert no_buffer.stalls == 1 and no_buffer.stall_s == pytest.approx(0.15)
+    assert no_buffer.max_late_s == pytest.approx(0.15)
+    assert not simulate_playback(arrivals, 0.5).stalled
+    assert not simulate_playback(arrivals, 0.0, tolerance_s=0.2).stalled
+    assert simulate_playback([], 0.0).stalls == 0
+
+
+def test_token_budget_is_whole_frames_within_the_cap() -> None:
+    assert token_budget(70, 6.0, 2400) == 420
+    assert token_budget(1, 1.0, 2400) == 7
+    assert token_budget(10_000, 6.0, 140) == 140
+    assert token_budget(70, 0.0, 2400) is None
+
+
+def test_describe_and_mix_are_reproducible() -> None:
+    stats = describe([1.0, 2.0, 3.0], scale=1000)
+    assert stats["min"] == 1000 and stats["max"] == 3000 and stats["p50"] == 2000
+    assert describe([])["max"] is None
+    assert mixed(20, seed=1) == mixed(20, seed=1)
+    assert {p.size for p in mixed(50, seed=1)} == set(SIZES)
+
+
+def test_audio_frames_undo_opus_spill_and_tail() -> None:
+    """Two server runs of 4 frames arrive as 5 loud frames + a faint tail each (measured on loopback)."""
+    run = [LOUD] * 5 + [TAIL] + [QUIET] * 3
+    frames = [ReceivedFrame(at=i * 0.02, samples=960, rms=rms) for i, rms in enumerate(run * 2)]
+    assert len(audio_frames(frames)) == 8
+
+
+def test_table_leaves_out_empty_columns() -> None:
+    summary: dict[str, Any] = {"users": 2, "requests": 2, "success_rate": 1.0, "ttfa_ms": {"min": 5.0},
+                               "ttft_ms": {}, "ttff_ms": {}, "playback": {}}
+    table = markdown_table("ttfa", "webrtc", [{"summary": summary}], [0])
+    assert "TTFA min ms" in table and "TTFT" not in table
+
+
+# --- smoke run on the shared engine ------------------------------------------------------------------
+
+SMOKE_ARGS = ["--scenario", "stress,streaming", "--level", "both", "--stress-concurrency", "2",
+              "--streaming-users", "2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1"]
+
+
+def _check_point(point: dict[str, Any], level: str) -> None:
+    summary = point["summary"]
+    assert summary["ok"] == summary["requests"] == point["users"] == 2, summary["errors"]
+    assert summary["audio_s"] > 0 and summary["wall_s"] > 0
+    assert summary["ttfa_ms"]["min"] > 0
+    assert set(summary["playback"]) == {"0", "500"}
+    for request in point["requests"]:
+        assert request["audio_s"] > 0 and request["ttfa_ms"] > 0 and request["max_gap_ms"] is not None
+        assert set(request["playback"]) == {"0", "500"}
+        if level == "engine":
+            assert 0 < request["ttft_ms"] <= request["ttfa_ms"]
+        else:
+            assert request["server"]["audio_ms"] > 0 and request["server"]["underruns"] is not None
+    assert point["pipeline"]["wall_s"] > 0
+
+
+def _png_signature(path: str) -> bytes:
+    return Path(path).read_bytes()[:len(PNG_SIGNATURE)]
+
+
+@pytest.mark.engine
+async def test_bench_smoke_both_levels(synthesizer: Synthesizer, test_config: GatewayConfig,
+                                       tmp_path: Path) -> None:
+    options = parse_options([*SMOKE_ARGS, "--out", str(tmp_path)])
+    run = await run_scenarios(synthesizer, test_config, options, SMOKE_ARGS)
+
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    plots = {(s["scenario"], s["level"]): _png_signature(s["plot"]) for s in saved["scenarios"]}
+    assert saved["schema"] == run["schema"] and saved["machine"]["cpu_cores_logical"] >= 1
+    assert saved["model"]["shape"]["vocab_size"] == 156_940
+    assert saved["engine"]["model"] == test_config.model
+    assert [(s["scenario"], s["level"]) for s in saved["scenarios"]] == [
+        ("stress", "engine"), ("streaming", "engine"), ("stress", "webrtc"), ("streaming", "webrtc")]
+    assert set(plots.values()) == {PNG_SIGNATURE}
+    for scenario in saved["scenarios"]:
+        for point in scenario["points"]:
+            _check_point(point, scenario["level"])

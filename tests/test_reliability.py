@@ -1,0 +1,644 @@
+"""Reliability and security: admission control, auth and origins, limits, faults (engine death, SNAC failure,
+vanished peers). Unit tests first; then the real gateway on loopback with the shared tiny engine.
+
+Every test that needs other limits builds its own app around the shared synthesizer with
+`dataclasses.replace(test_config, ...)` (gateway-only settings); the engine-restart test comes last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+from gateway.admission import AT_CAPACITY, Admission, CapacityError, TokenBucket
+from gateway.auth import AccessPolicy, AuthError, make_session_token, normalize_origin, verify_session_token
+from gateway.client import HeadlessPeer
+from gateway.codec import DecodeWindow
+from gateway.config import ConfigError, GatewayConfig, from_sources
+from gateway.engine import EngineState
+from gateway.http import GATEWAY_KEY, OFFER_PATH
+from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
+from gateway.server import Gateway, create_app
+from gateway.session import CONTROL_LABEL, ProtocolError, Session, SessionManager
+from gateway.synthesizer import Synthesizer
+from tests.test_synthesizer import wait_until
+
+TOKEN = "static-token-for-tests-0123456789"
+SECRET = "hmac-secret-for-tests-0123456789"
+OTHER_SECRET = "another-secret-for-tests-987654"
+SCHOOL = "https://school.example"
+EVIL = "https://evil.example"
+LONG_TEXT = " ".join(f"This is sentence number {i} of a long lesson." for i in range(12))
+EVENT_TIMEOUT_S = 60.0  # the engine is slow on a shared 2-core CPU
+CLEANUP_TIMEOUT_S = 30.0
+ENGINE_RESTART_TIMEOUT_S = 300.0
+
+
+# --- helpers (also used by test_fuzz and test_soak) ----------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def running(config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[tuple[str, Gateway]]:
+    """The gateway app on 127.0.0.1 around the shared synthesizer: (base url, gateway)."""
+    app = create_app(config, synthesizer)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), app[GATEWAY_KEY]
+    finally:
+        await server.close()
+
+
+async def offer_sdp() -> str:
+    """A valid browser-like offer (recvonly audio + `control` data channel); its peer is closed at once."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.createDataChannel(CONTROL_LABEL)
+    pc.addTransceiver("audio", direction="recvonly")
+    await pc.setLocalDescription(await pc.createOffer())
+    sdp = pc.localDescription.sdp
+    await pc.close()
+    return sdp
+
+
+async def connect_with(peer: HeadlessPeer, *, query: str = "", headers: dict[str, str] | None = None) -> None:
+    """`HeadlessPeer.connect` with credentials (the peer itself sends none)."""
+    await peer.pc.setLocalDescription(await peer.pc.createOffer())
+    body = {"sdp": peer.pc.localDescription.sdp, "type": "offer"}
+    async with aiohttp.ClientSession() as http, \
+            http.post(f"{peer.base_url}{OFFER_PATH}{query}", json=body, headers=headers) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, answer
+    peer.session_id = answer["session_id"]
+    await peer.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+    await peer.wait_event("ready", timeout=EVENT_TIMEOUT_S)
+
+
+class _SilentTransport:
+    """A UDP transport whose packets go nowhere (everything else is the real one)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def sendto(self, data: bytes, addr: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def vanish(peer: HeadlessPeer) -> None:
+    """Cut the peer off the network without closing anything: its packets stop, as when a laptop sleeps."""
+    for ice in peer.pc._RTCPeerConnection__iceTransports:  # type: ignore[attr-defined]
+        for protocol in ice._connection._protocols:
+            protocol.transport = _SilentTransport(protocol.transport)
+
+
+@contextlib.asynccontextmanager
+async def detached_session(gateway: Gateway) -> AsyncIterator[Session]:
+    """A session with no remote peer and no synthesis worker: `handle()` runs, nothing reaches the engine."""
+    session = Session(gateway.sessions, RTCPeerConnection(RTCConfiguration(iceServers=[])), gateway.config.voice, 0)
+    for task in (session._worker, session._watchdog):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    try:
+        yield session
+    finally:
+        await session.close()
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def error_of(resp: aiohttp.ClientResponse, status: int, code: str) -> dict[str, Any]:
+    assert resp.status == status, await resp.text()
+    assert resp.content_type == "application/json"
+    error = (await resp.json())["error"]
+    assert error["code"] == code and error["message"]
+    return error
+
+
+# --- admission and rate (no engine) ------------------------------------------------------------------
+
+def test_admission_counts_and_releases_slots() -> None:
+    admission = Admission(max_sessions=2, max_streams=1)
+    first, second = admission.admit_session(), admission.admit_session()
+    with pytest.raises(CapacityError) as refused:
+        admission.admit_session()
+    assert refused.value.code == AT_CAPACITY and refused.value.retry_after_s > 0
+    first.release()
+    first.release()  # idempotent: a double release must not free a slot twice
+    assert admission.sessions == 1
+    with admission.admit_stream():
+        with pytest.raises(CapacityError):
+            admission.admit_stream()
+    assert admission.streams == 0
+    second.release()
+    assert admission.sessions == 0
+
+
+@pytest.mark.parametrize(("streams_affordable", "budget_extra"), [(1, 0.0), (3, 0.5), (3, 81.0)])
+def test_token_budget_admits_only_real_time_streams(streams_affordable: int, budget_extra: float) -> None:
+    """(streams + 1) * 82.03 <= budget: exactly floor(budget / 82.03) streams at once."""
+    admission = Admission(max_sessions=10, max_streams=100,
+                          tokens_per_second=streams_affordable * AUDIO_TOKENS_PER_SECOND + budget_extra)
+    slots = [admission.admit_stream() for _ in range(streams_affordable)]
+    with pytest.raises(CapacityError):
+        admission.admit_stream()
+    slots.pop().release()
+    admission.admit_stream()
+
+
+def test_admission_defaults_follow_the_engine(test_config: GatewayConfig) -> None:
+    admission = Admission.from_config(test_config)
+    assert admission.max_streams == test_config.max_num_seqs
+    assert admission.max_sessions == test_config.max_sessions
+    limited = Admission.from_config(dataclasses.replace(test_config, max_in_flight_utterances=3))
+    assert limited.max_streams == 3
+
+
+def test_token_bucket_allows_burst_then_rate() -> None:
+    now = [0.0]
+    bucket = TokenBucket(rate=2.0, burst=3, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    now[0] += 0.5  # one token back at 2/s
+    assert [bucket.take() for _ in range(2)] == [True, False]
+    now[0] += 100  # refills to the burst, not beyond
+    assert sum(bucket.take() for _ in range(10)) == 3
+    assert all(TokenBucket(rate=0, burst=1).take() for _ in range(100)), "rate 0 = unlimited"
+
+
+# --- auth and origins (no engine) --------------------------------------------------------------------
+
+def test_session_tokens_round_trip_expire_and_resist_tampering() -> None:
+    token = make_session_token(SECRET, ttl_s=60, subject="student-42")
+    assert verify_session_token([SECRET], token)["sub"] == "student-42"
+    assert verify_session_token([OTHER_SECRET, SECRET], token)["sub"] == "student-42", "rotation: any secret"
+    with pytest.raises(AuthError, match="expired") as expired:
+        verify_session_token([SECRET], make_session_token(SECRET, ttl_s=60, subject="s", now=time.time() - 3600))
+    assert (expired.value.status, expired.value.code) == (401, "expired_token")
+    payload, signature = token.split(".")
+    forged_payload = make_session_token(OTHER_SECRET, ttl_s=10**6, subject="admin").split(".")[0]
+    for bad in (f"{forged_payload}.{signature}", f"{payload}.{signature[:-2]}", "a.b", "", "...", token + "x"):
+        with pytest.raises(AuthError) as invalid:
+            verify_session_token([SECRET], bad)
+        assert invalid.value.status == 401
+    with pytest.raises(AuthError):
+        verify_session_token([OTHER_SECRET], token)
+    with pytest.raises(ValueError):
+        make_session_token(SECRET, ttl_s=0, subject="s")
+
+
+def test_access_policy_tokens_and_origins() -> None:
+    open_policy = AccessPolicy.from_lists([], [], [])
+    assert open_policy.authenticate(None) is None, "no token configured: open"
+    policy = AccessPolicy.from_lists([TOKEN], [SECRET], [SCHOOL + "/"])
+    assert policy.authenticate(TOKEN) is None
+    assert policy.authenticate(make_session_token(SECRET, 60, "t-1")) == "t-1"
+    for token, code in ((None, "missing_token"), ("", "missing_token"), ("nope", "invalid_token")):
+        with pytest.raises(AuthError) as refused:
+            policy.authenticate(token)
+        assert (refused.value.status, refused.value.code) == (401, code)
+    policy.check_origin(None, ["gw:8000"])  # curl, servers: no Origin
+    policy.check_origin(SCHOOL, ["gw:8000"])
+    policy.check_origin("HTTPS://School.Example", ["gw:8000"])
+    policy.check_origin("http://gw:8000", ["gw:8000"])  # the page's own origin
+    policy.check_origin("https://tutor.example", ["127.0.0.1:8000", "tutor.example"])  # via X-Forwarded-Host
+    for origin in (EVIL, "null", "http://school.example", "garbage"):
+        with pytest.raises(AuthError) as refused:
+            policy.check_origin(origin, ["gw:8000"])
+        assert (refused.value.status, refused.value.code) == (403, "origin_not_allowed")
+    AccessPolicy.from_lists([], [], ["*"]).check_origin(EVIL, ["gw:8000"])
+    assert normalize_origin("http://LOCALHOST:8000/") == "http://localhost:8000"
+    for bad in ("school.example", "ftp://x", "https://x/path", ""):
+        with pytest.raises(ValueError):
+            normalize_origin(bad)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"auth_token": ["short"]}, "auth_token"),
+        ({"auth_secret": ["short"]}, "auth_secret"),
+        ({"allowed_origin": ["school.example"]}, "allowed_origin"),
+        ({"engine_tokens_per_second": 50.0}, "engine_tokens_per_second"),
+        ({"max_in_flight_utterances": -1}, "max_in_flight_utterances"),
+        ({"max_messages_per_second": -1.0}, "max_messages_per_second"),
+        ({"message_burst": 0}, "message_burst"),
+        ({"heartbeat_timeout_s": -1.0}, "heartbeat_timeout_s"),
+        ({"max_session_s": -5.0}, "max_session_s"),
+        ({"max_sessions": 0}, "max_sessions"),
+    ],
+)
+def test_unworkable_limits_are_refused(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        from_sources(env={}, **overrides)
+
+
+def test_access_settings_from_environment() -> None:
+    config = from_sources(env={"ORPHEUS_GATEWAY_AUTH_TOKEN": f"{TOKEN},{TOKEN}-2",
+                               "ORPHEUS_GATEWAY_ALLOWED_ORIGIN": SCHOOL,
+                               "ORPHEUS_GATEWAY_ENGINE_TOKENS_PER_SECOND": "4000"})
+    assert config.auth_token == [TOKEN, f"{TOKEN}-2"]
+    assert config.allowed_origin == [SCHOOL]
+    assert config.engine_tokens_per_second == 4000.0
+    defaults = from_sources(env={})
+    assert (defaults.auth_token, defaults.auth_secret, defaults.protect_metrics) == ([], [], False), "open locally"
+    assert defaults.heartbeat_timeout_s > 0 and defaults.max_session_s > 0
+
+
+# --- the data-channel protocol without an engine request --------------------------------------------
+
+needs_engine = pytest.mark.engine  # the tests above need no engine; the ones below share the real one
+
+
+@needs_engine
+async def test_pieces_of_a_cancelled_utterance_are_not_spoken_as_a_new_one(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    gateway = Gateway(test_config, synthesizer)
+    gateway.sessions = SessionManager(gateway)
+    async with detached_session(gateway) as session:
+        session.handle('{"type": "speak", "id": "s", "text": "Today we learn ", "more": true}')
+        session.handle('{"type": "cancel", "id": "s"}')
+        assert "s" not in session._utterances
+        with pytest.raises(ProtocolError) as ended:
+            session.handle('{"type": "speak", "id": "s", "text": "colours. ", "more": true}')
+        assert ended.value.code == "utterance_ended" and ended.value.utterance_id == "s"
+        with pytest.raises(ProtocolError):
+            session.handle('{"type": "speak", "id": "s", "text": "The end."}')  # its last piece frees the id
+        session.handle('{"type": "speak", "id": "s", "text": "A new utterance."}')
+        assert session._utterances["s"].closed
+
+
+# --- HTTP: auth, origins, CORS -----------------------------------------------------------------------
+
+@needs_engine
+async def test_auth_guards_every_api_route_and_leaves_health_and_page_open(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    config = dataclasses.replace(test_config, auth_token=[TOKEN], auth_secret=[SECRET])
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    signed = {"Authorization": f"bearer {make_session_token(SECRET, 60, 'student-1')}"}
+    expired = {"Authorization": f"Bearer {make_session_token(SECRET, 1, 's', now=time.time() - 600)}"}
+    async with running(config, synthesizer) as (base, _), aiohttp.ClientSession(base_url=base) as http:
+        for path in ("/healthz", "/readyz", "/", "/static/app.js", "/metrics"):
+            async with http.get(path) as resp:
+                assert resp.status == 200, path
+        for method, path in (("GET", "/v1/voices"), ("POST", "/v1/audio/speech"), ("POST", OFFER_PATH),
+                             ("DELETE", "/v1/webrtc/sessions/abc"), ("GET", "/v1/unknown")):
+            async with http.request(method, path) as resp:
+                await error_of(resp, 401, "missing_token")
+                assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+        async with http.get("/v1/voices", headers={"Authorization": "Bearer wrong-token"}) as resp:
+            await error_of(resp, 401, "invalid_token")
+        async with http.get("/v1/voices", headers=expired) as resp:
+            await error_of(resp, 401, "expired_token")
+        async with http.get("/v1/voices", headers={"Authorization": TOKEN}) as resp:
+            await error_of(resp, 401, "missing_token")  # not a Bearer credential
+        for headers in (bearer, signed):
+            async with http.get("/v1/voices", headers=headers) as resp:
+                assert resp.status == 200
+        # Past the guard, the routes answer their own errors.
+        async with http.post("/v1/audio/speech", data=b"{", headers=bearer) as resp:
+            await error_of(resp, 400, "invalid_json")
+        async with http.delete("/v1/webrtc/sessions/abc", headers=signed) as resp:
+            await error_of(resp, 404, "unknown_session")
+        # ?token= is accepted on the offer only (a page that cannot set headers); not elsewhere.
+        async with http.post(f"{OFFER_PATH}?token={TOKEN}", data=b"{") as resp:
+            await error_of(resp, 400, "invalid_json")
+        async with http.get(f"/v1/voices?token={TOKEN}") as resp:
+            await error_of(resp, 401, "missing_token")
+
+
+@needs_engine
+async def test_offer_with_a_query_token_opens_a_working_session(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    config = dataclasses.replace(test_config, auth_secret=[SECRET])
+    token = make_session_token(SECRET, 60, "student-7")
+    async with running(config, synthesizer) as (base, gateway):
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        try:
+            await connect_with(peer, query=f"?token={token}")
+            peer.send({"type": "ping", "t": 1})
+            await peer.wait_event("pong", timeout=EVENT_TIMEOUT_S)
+            url, auth = f"{base}/v1/webrtc/sessions/{peer.session_id}", {"Authorization": f"Bearer {token}"}
+            async with aiohttp.ClientSession() as http, http.delete(url, headers=auth) as resp:
+                assert resp.status == 204
+            assert not gateway.sessions.sessions
+        finally:
+            await peer.close()
+
+
+@needs_engine
+async def test_metrics_protected_on_request(test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    config = dataclasses.replace(test_config, auth_token=[TOKEN], protect_metrics=True)
+    async with running(config, synthesizer) as (base, _), aiohttp.ClientSession(base_url=base) as http:
+        async with http.get("/metrics") as resp:
+            await error_of(resp, 401, "missing_token")
+        async with http.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            assert resp.status == 200
+            assert "orpheus_rejections_total" in await resp.text()
+        async with http.get("/healthz") as resp:
+            assert resp.status == 200
+
+
+@needs_engine
+async def test_origins_cors_and_preflight(test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    config = dataclasses.replace(test_config, allowed_origin=[SCHOOL])
+    async with running(config, synthesizer) as (base, _), aiohttp.ClientSession(base_url=base) as http:
+        async with http.get("/v1/voices", headers={"Origin": EVIL}) as resp:
+            await error_of(resp, 403, "origin_not_allowed")
+        async with http.get("/v1/voices", headers={"Origin": SCHOOL}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Access-Control-Allow-Origin"] == SCHOOL
+            assert "Origin" in resp.headers.getall("Vary")
+        async with http.get("/v1/voices", headers={"Origin": base}) as resp:  # the page's own origin
+            assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+        preflight = {"Origin": SCHOOL, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        async with http.options(OFFER_PATH, headers=preflight) as resp:
+            assert resp.status == 204
+            assert resp.headers["Access-Control-Allow-Origin"] == SCHOOL
+            assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+            assert "Authorization" in resp.headers["Access-Control-Allow-Headers"]
+        async with http.options(OFFER_PATH, headers={**preflight, "Origin": EVIL}) as resp:
+            await error_of(resp, 403, "origin_not_allowed")
+        # A streamed response gets its CORS headers too (added before the headers go out).
+        async with http.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "pcm"},
+                             headers={"Origin": SCHOOL}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Access-Control-Allow-Origin"] == SCHOOL
+            assert "Retry-After" in resp.headers["Access-Control-Expose-Headers"]
+    async with running(test_config, synthesizer) as (base, _), aiohttp.ClientSession(base_url=base) as http:
+        async with http.post(OFFER_PATH, data=b"{}", headers={"Origin": EVIL}) as resp:
+            await error_of(resp, 403, "origin_not_allowed")  # default: the page's own origin only
+        async with http.get("/v1/voices", headers={"Origin": base}) as resp:
+            assert resp.status == 200
+
+
+# --- admission through the routes and the data channel ----------------------------------------------
+
+@needs_engine
+async def test_offer_over_max_sessions_gets_503_with_retry_after(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    async with running(dataclasses.replace(test_config, max_sessions=1), synthesizer) as (base, gateway):
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        await peer.connect()
+        try:
+            body = {"sdp": await offer_sdp(), "type": "offer"}
+            async with aiohttp.ClientSession() as http, http.post(f"{base}{OFFER_PATH}", json=body) as resp:
+                await error_of(resp, 503, AT_CAPACITY)
+                assert int(resp.headers["Retry-After"]) > 0
+            peer.send({"type": "ping"})
+            await peer.wait_event("pong", timeout=EVENT_TIMEOUT_S)  # the admitted session is unaffected
+        finally:
+            await peer.close()
+        await wait_until(lambda: gateway.admission.sessions == 0, timeout=CLEANUP_TIMEOUT_S)
+        second = HeadlessPeer(base, jitter_buffer_ms=0)
+        await second.connect()  # the slot came back
+        await second.close()
+
+
+@needs_engine
+async def test_speech_over_capacity_gets_503(test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    config = dataclasses.replace(test_config, max_in_flight_utterances=1)
+    async with running(config, synthesizer) as (base, gateway), aiohttp.ClientSession(base_url=base) as http:
+        held = gateway.admission.admit_stream()  # another stream is synthesising
+        async with http.post("/v1/audio/speech", json={"input": "Hello."}) as resp:
+            await error_of(resp, 503, AT_CAPACITY)
+            assert int(resp.headers["Retry-After"]) > 0
+        held.release()
+        async with http.post("/v1/audio/speech", json={"input": "Hello.", "response_format": "pcm"}) as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert gateway.admission.streams == 0
+        async with http.get("/metrics") as resp:
+            assert 'orpheus_rejections_total{code="at_capacity"} 1.0' in await resp.text()
+
+
+@needs_engine
+async def test_utterance_over_token_budget_gets_at_capacity_while_the_running_one_plays_on(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """Budget for one real-time stream: a second utterance is refused by name, the first keeps going."""
+    config = dataclasses.replace(test_config, engine_tokens_per_second=1.5 * AUDIO_TOKENS_PER_SECOND)
+    async with running(config, synthesizer) as (base, gateway):
+        first, second = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
+        await asyncio.gather(first.connect(), second.connect())
+        try:
+            first.speak("long", LONG_TEXT)
+            await first.wait_event("started", "long", timeout=EVENT_TIMEOUT_S)
+            second.speak("refused", "Me too, please.")
+            error = await second.wait_event("error", "refused", timeout=EVENT_TIMEOUT_S)
+            assert error["code"] == AT_CAPACITY and error["retry_after_s"] > 0
+            segments = len(first.find("segment", "long"))
+            await wait_until(lambda: len(first.find("segment", "long")) > segments, timeout=EVENT_TIMEOUT_S)
+            assert not first.find("error"), "the running utterance is not disturbed"
+            first.cancel()
+            await first.wait_event("cancelled", "long", timeout=EVENT_TIMEOUT_S)
+            await wait_until(lambda: gateway.admission.streams == 0, timeout=CLEANUP_TIMEOUT_S)
+            second.speak("admitted", "Now it is my turn.")
+            await second.wait_event("done", "admitted", timeout=EVENT_TIMEOUT_S)
+        finally:
+            await asyncio.gather(first.close(), second.close())
+
+
+# --- limits ------------------------------------------------------------------------------------------
+
+@needs_engine
+async def test_messages_over_the_rate_are_refused_by_name(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    config = dataclasses.replace(test_config, max_messages_per_second=1.0, message_burst=3)
+    async with running(config, synthesizer) as (base, _):
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        await peer.connect()
+        try:
+            for i in range(10):
+                peer.send({"type": "ping", "t": i})
+            peer.speak("flooded", "This one is over the rate.")
+            refused = await peer.wait_event("error", "flooded", timeout=EVENT_TIMEOUT_S)
+            assert refused["code"] == "rate_limited"
+            assert next(e for e in peer.find("error") if "id" not in e.message).message["code"] == "rate_limited"
+            assert 1 <= len(peer.find("pong")) < 10
+            assert not peer.find("queued", "flooded")
+            await asyncio.sleep(2.0)  # the bucket refills
+            peer.send({"type": "ping", "t": "after"})
+            await wait_until(lambda: any(e.message.get("t") == "after" for e in peer.find("pong")),
+                             timeout=EVENT_TIMEOUT_S)
+        finally:
+            await peer.close()
+
+
+@needs_engine
+@pytest.mark.parametrize(("setting", "code"), [("max_session_s", "session_time_limit"),
+                                               ("session_idle_timeout_s", "idle_timeout")])
+async def test_session_limits_close_with_an_error_first(
+        test_config: GatewayConfig, synthesizer: Synthesizer, setting: str, code: str) -> None:
+    limit_s = 4.0  # long enough for the peer to connect on a busy CPU
+    async with running(dataclasses.replace(test_config, **{setting: limit_s}), synthesizer) as (base, gateway):
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        await peer.connect()
+        try:
+            error = await peer.wait_event("error", timeout=EVENT_TIMEOUT_S)
+            assert error["code"] == code and error["message"]
+            await wait_until(lambda: not gateway.sessions.sessions and gateway.admission.sessions == 0,
+                             timeout=CLEANUP_TIMEOUT_S)
+        finally:
+            await peer.close()
+
+
+@needs_engine
+async def test_offer_never_connected_is_reaped(test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """An answered offer whose peer never connects must not hold a session slot until the idle timeout."""
+    async with running(dataclasses.replace(test_config, session_connect_timeout_s=1.0), synthesizer) as (base, gw):
+        body = {"sdp": await offer_sdp(), "type": "offer"}
+        async with aiohttp.ClientSession() as http, http.post(f"{base}{OFFER_PATH}", json=body) as resp:
+            assert resp.status == 200
+        assert gw.admission.sessions == 1
+        await wait_until(lambda: not gw.sessions.sessions and gw.admission.sessions == 0, timeout=CLEANUP_TIMEOUT_S)
+
+
+@needs_engine
+async def test_shutdown_tells_sessions_why(test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    peer = HeadlessPeer("", jitter_buffer_ms=0)
+    async with running(test_config, synthesizer) as (base, _):
+        peer.base_url = base
+        await peer.connect()
+    try:
+        error = await peer.wait_event("error", timeout=EVENT_TIMEOUT_S)
+        assert error["code"] == "shutting_down"
+    finally:
+        await peer.close()
+
+
+# --- faults ------------------------------------------------------------------------------------------
+
+@needs_engine
+async def test_vanished_peer_is_closed_by_the_heartbeat(test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """A peer that pinged and then went silent (no close, no packets) is cleaned up long before ICE notices."""
+    heartbeat_s = 2.0
+    ice_consent_timeout_s = 30.0  # what aiortc alone would take
+    config = dataclasses.replace(test_config, heartbeat_timeout_s=heartbeat_s)
+    async with running(config, synthesizer) as (base, gateway):
+        engine = synthesizer.engine
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        await peer.connect()
+        try:
+            peer.send({"type": "ping"})
+            peer.speak("lost", LONG_TEXT)
+            await peer.wait_event("started", "lost", timeout=EVENT_TIMEOUT_S)
+            vanished_at = time.monotonic()
+            vanish(peer)
+            await wait_until(lambda: not gateway.sessions.sessions, timeout=ice_consent_timeout_s)
+            assert time.monotonic() - vanished_at < ice_consent_timeout_s
+            await wait_until(lambda: engine.in_flight == 0 and gateway.admission.streams == 0,
+                             timeout=CLEANUP_TIMEOUT_S)
+        finally:
+            await peer.close()
+
+
+FAULTY_UTTERANCE: contextvars.ContextVar[bool] = contextvars.ContextVar("faulty_utterance", default=False)
+
+
+@needs_engine
+async def test_snac_decode_failure_fails_that_utterance_only(
+        test_config: GatewayConfig, synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SNAC model raises for one utterance's windows: it gets an error event; a concurrent one finishes."""
+    faulty_voice = "leah"
+    decoder = synthesizer.decoder
+    marked: list[DecodeWindow] = []  # held, so their ids stay unique while the test runs
+    marked_ids: set[int] = set()
+    real_utterance, real_decode = synthesizer.utterance, decoder.decode
+    real_decode_all, real_model_decode = decoder._decode_all, decoder.model.decode
+
+    def utterance(text: Any, voice: str | None = None, **kw: Any) -> AsyncIterator[Any]:
+        async def tagged() -> AsyncIterator[Any]:
+            FAULTY_UTTERANCE.set(voice == faulty_voice)  # copied into the tasks that decode its windows
+            async with contextlib.aclosing(real_utterance(text, voice, **kw)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        return tagged()
+
+    async def decode(window: DecodeWindow) -> Any:
+        if FAULTY_UTTERANCE.get():
+            marked.append(window)
+            marked_ids.add(id(window))
+        return await real_decode(window)
+
+    def model_decode(windows: list[DecodeWindow]) -> Any:
+        if any(id(w) in marked_ids for w in windows):
+            raise RuntimeError("injected SNAC fault")
+        return real_model_decode(windows)
+
+    def decode_all(jobs: list[Any]) -> None:
+        # Keep the faulty windows in batches of their own, so the injected fault hits one utterance only.
+        healthy = [j for j in jobs if id(j.window) not in marked_ids]
+        faulty = [j for j in jobs if id(j.window) in marked_ids]
+        for group in (healthy, faulty):
+            if group:
+                real_decode_all(group)
+
+    monkeypatch.setattr(synthesizer, "utterance", utterance)
+    monkeypatch.setattr(decoder, "decode", decode)
+    monkeypatch.setattr(decoder, "_decode_all", decode_all)
+    monkeypatch.setattr(decoder.model, "decode", model_decode)
+    async with running(test_config, synthesizer) as (base, gateway):
+        healthy, faulty = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
+        await asyncio.gather(healthy.connect(), faulty.connect())
+        try:
+            healthy.speak("ok", "This sentence plays. And so does this one.")
+            faulty.speak("broken", "This one loses its decoder.", voice=faulty_voice)
+            error = await faulty.wait_event("error", "broken", timeout=EVENT_TIMEOUT_S)
+            assert error["code"] == "synthesis_failed" and "decod" in error["message"]
+            await healthy.wait_event("done", "ok", timeout=EVENT_TIMEOUT_S)
+            assert not healthy.find("error") and not faulty.find("done", "broken")
+            assert marked, "the fault was injected"
+            marked_ids.clear()
+            faulty.speak("again", "The decoder works again.")
+            await faulty.wait_event("done", "again", timeout=EVENT_TIMEOUT_S)
+            await wait_until(lambda: synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
+                             timeout=CLEANUP_TIMEOUT_S)
+        finally:
+            await asyncio.gather(healthy.close(), faulty.close())
+
+
+@needs_engine
+async def test_engine_death_mid_utterance_reports_and_recovers(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """Kill the engine core mid-utterance: `engine_dead` by name, then the same session speaks again."""
+    engine = synthesizer.engine
+    restarts = engine.restarts
+    async with running(test_config, synthesizer) as (base, gateway):
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        await peer.connect()
+        try:
+            peer.speak("doomed", LONG_TEXT)
+            await peer.wait_event("started", "doomed", timeout=EVENT_TIMEOUT_S)
+            for pid in engine.engine_process_ids():
+                os.kill(pid, signal.SIGKILL)
+            error = await peer.wait_event("error", "doomed", timeout=EVENT_TIMEOUT_S)
+            assert error["code"] == "engine_dead"
+            await wait_until(lambda: engine.state is not EngineState.READY, timeout=EVENT_TIMEOUT_S)
+            peer.speak("while-restarting", "Are you there?")
+            refused = await peer.wait_event("error", "while-restarting", timeout=EVENT_TIMEOUT_S)
+            assert refused["code"] == "engine_unavailable"
+            async with aiohttp.ClientSession(base_url=base) as http, \
+                    http.post("/v1/audio/speech", json={"input": "Hi."}) as resp:
+                await error_of(resp, 503, "engine_unavailable")
+            await engine.wait_ready(timeout=ENGINE_RESTART_TIMEOUT_S)
+            assert engine.restarts == restarts + 1
+            peer.speak("back", "I am back.")
+            await peer.wait_event("done", "back", timeout=EVENT_TIMEOUT_S)
+            assert gateway.admission.streams == 0 and engine.in_flight == 0
+        finally:
+            await peer.close()
