@@ -105,6 +105,7 @@ class OrpheusEngine:
         self._ids = itertools.count()
         self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
         self._in_flight: set[str] = set()
+        self.requests_started = 0  # every generate() call so far (tests, metrics)
         self._ready = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self._restart_lock = asyncio.Lock()
@@ -218,6 +219,7 @@ class OrpheusEngine:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         params = sampling_params(self.config, max_tokens, seed)
         self._in_flight.add(request_id)
+        self.requests_started += 1
         finished = False
         try:
             async for output in llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,

@@ -58,16 +58,18 @@ async def test_speech_wav_is_valid(client: TestClient) -> None:
 
 
 async def test_speech_streams_before_generation_ends(client: TestClient, synthesizer: Synthesizer) -> None:
-    """The first audio bytes reach the client while the engine is still generating the same request."""
-    resp = await client.post("/v1/audio/speech",
-                             json={"input": "A sentence long enough to still be generating.", "response_format": "pcm"})
+    """The first audio bytes reach the client before the engine has even started the last sentence."""
+    sentences = [f"Sentence {i} of this answer." for i in range(6)]
+    before = synthesizer.engine.requests_started
+    resp = await client.post("/v1/audio/speech", json={"input": " ".join(sentences), "response_format": "pcm"})
     assert resp.status == 200
     assert resp.headers["X-Sample-Rate"] == str(SAMPLE_RATE)
     first = await resp.content.readany()
     assert len(first) > 0
-    still_generating = synthesizer.engine.in_flight == 1
+    started_at_first_bytes = synthesizer.engine.requests_started - before
     rest = await resp.read()
-    assert still_generating, "first bytes arrived only after generation ended"
+    assert started_at_first_bytes < len(sentences), "first bytes arrived only after generation ended"
+    assert synthesizer.engine.requests_started - before == len(sentences)
     assert (len(first) + len(rest)) % (2 * SAMPLES_PER_FRAME) == 0
 
 
