@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_mod.add_arguments(synth)
     synth.set_defaults(func=cmd_synth)
 
-    bench = sub.add_parser("bench", help="Benchmarks (see bench/README.md); arguments pass through.")
+    bench = sub.add_parser("bench", help="Benchmarks (see bench/README.md); arguments pass through.",
+                           add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 
