@@ -38,17 +38,21 @@ LLAMA_VOCAB_SIZE = 128_256  # Llama 3 ids: 128,000 BPE tokens + 256 special toke
 LLAMA_BPE_SIZE = 128_000
 CUSTOM_TOKEN_COUNT = 28_684  # `<custom_token_N>` has id LLAMA_VOCAB_SIZE + N
 VOCAB_SIZE = LLAMA_VOCAB_SIZE + CUSTOM_TOKEN_COUNT  # 156,940
-BOS_ID = 128_000  # <|begin_of_text|>
-END_OF_TEXT_ID = 128_009  # <|eot_id|>
-START_OF_SPEECH_ID = 128_257
-END_OF_SPEECH_ID = 128_258  # the stop id
-START_OF_HUMAN_ID = 128_259
-END_OF_HUMAN_ID = 128_260
-START_OF_AI_ID = 128_261
-AUDIO_TOKEN_BASE = 128_266  # audio token k: AUDIO_TOKEN_BASE + CODEBOOK_SIZE * (k % 7) + code
-CODEBOOK_SIZE = 4096
-SLOTS_PER_FRAME = 7
-AUDIO_TOKEN_END = AUDIO_TOKEN_BASE + SLOTS_PER_FRAME * CODEBOOK_SIZE  # exclusive
+# One home for Orpheus' ids: gateway/orpheus.py; re-exported here for the builders and their tests.
+from gateway.orpheus import (  # noqa: E402, F401
+    AUDIO_TOKEN_BASE,
+    AUDIO_TOKEN_END,
+    BOS_ID,
+    CODEBOOK_SIZE,
+    END_OF_HUMAN_ID,
+    END_OF_SPEECH_ID,
+    END_OF_TEXT_ID,
+    SLOTS_PER_FRAME,
+    START_OF_AI_ID,
+    START_OF_HUMAN_ID,
+    START_OF_SPEECH_ID,
+    audio_token_id,
+)
 
 # Llama 3's named special tokens; the other ids in 128000..128255 are <|reserved_special_token_K|>.
 LLAMA_NAMED_SPECIALS = {
@@ -121,11 +125,6 @@ SHAPES: dict[str, ModelShape] = {
                              num_attention_heads=24, num_key_value_heads=8, head_dim=128,
                              default_dtype="bfloat16"),
 }
-
-
-def audio_token_id(k: int, code: int) -> int:
-    """Id of the k-th audio token of an utterance carrying `code`."""
-    return AUDIO_TOKEN_BASE + CODEBOOK_SIZE * (k % SLOTS_PER_FRAME) + code
 
 
 def audio_slot(token_id: int) -> int | None:
