@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,8 @@ class CpuSnapshot:
     loop_thread_s: float
     snac_thread_s: float
     other_threads_s: float
-    children_s: dict[int, float]
+    children_s: dict[int, float]  # engine processes (and their children)
+    clients_s: dict[int, float]  # benchmark client processes: not the gateway's CPU
     snac_batches: int
     snac_windows: int
     snac_busy_s: float
@@ -42,7 +44,7 @@ def _thread_ids() -> tuple[int | None, int | None]:
     return loop_id, snac_id
 
 
-def cpu_snapshot(decoder: Any) -> CpuSnapshot:
+def cpu_snapshot(decoder: Any, client_pids: Collection[int] = ()) -> CpuSnapshot:
     """CPU seconds so far by thread group and child process, and the SNAC worker's counters."""
     proc = psutil.Process()
     loop_id, snac_id = _thread_ids()
@@ -50,12 +52,13 @@ def cpu_snapshot(decoder: Any) -> CpuSnapshot:
     loop_s = by_thread.pop(loop_id, 0.0) if loop_id is not None else 0.0
     snac_s = by_thread.pop(snac_id, 0.0) if snac_id is not None else 0.0
     children: dict[int, float] = {}
+    clients: dict[int, float] = {}
     for child in proc.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             times = child.cpu_times()
-            children[child.pid] = times.user + times.system
+            (clients if child.pid in client_pids else children)[child.pid] = times.user + times.system
     stats = decoder.stats
-    return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children,
+    return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
                        stats.batches, stats.windows, stats.busy_s)
 
 
@@ -63,6 +66,7 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
     """CPU seconds spent between two snapshots, and the SNAC worker's batching over that time."""
     wall = after.at - before.at
     children = sum(after.children_s[pid] - before.children_s.get(pid, 0.0) for pid in after.children_s)
+    clients = sum(after.clients_s[pid] - before.clients_s.get(pid, 0.0) for pid in after.clients_s)
     batches = after.snac_batches - before.snac_batches
     windows = after.snac_windows - before.snac_windows
     busy = after.snac_busy_s - before.snac_busy_s
@@ -73,6 +77,7 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "event_loop_thread": round(after.loop_thread_s - before.loop_thread_s, 3),
             "snac_thread": round(after.snac_thread_s - before.snac_thread_s, 3),
             "other_threads": round(after.other_threads_s - before.other_threads_s, 3),
+            "client_processes": round(clients, 3),
         },
         "snac": {
             "batches": batches,
@@ -112,17 +117,18 @@ class LoopLagMonitor:
 class PointProbe:
     """CPU split and event-loop lag over one measurement point: `start()`, run, `await stop()`."""
 
-    def __init__(self, decoder: Any) -> None:
+    def __init__(self, decoder: Any, client_pids: Collection[int] = ()) -> None:
         self.decoder = decoder
+        self.client_pids = frozenset(client_pids)
         self.monitor = LoopLagMonitor()
         self.before: CpuSnapshot | None = None
 
     def start(self) -> None:
-        self.before = cpu_snapshot(self.decoder)
+        self.before = cpu_snapshot(self.decoder, self.client_pids)
         self.monitor.start()
 
     async def stop(self) -> dict[str, Any]:
         lag = await self.monitor.stop()
-        after = cpu_snapshot(self.decoder)
+        after = cpu_snapshot(self.decoder, self.client_pids)
         assert self.before is not None, "start() first"
         return {**cpu_delta(self.before, after), "loop_lag_ms": lag}

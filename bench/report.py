@@ -105,6 +105,7 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("event loop CPU s", _fixed(1, "pipeline", "cpu_s", "event_loop_thread")),
         ("SNAC thread CPU s", _fixed(1, "pipeline", "cpu_s", "snac_thread")),
         ("other threads CPU s", _fixed(1, "pipeline", "cpu_s", "other_threads")),
+        ("client procs CPU s", _fixed(1, "pipeline", "cpu_s", "client_processes")),
         ("SNAC busy", _percent("pipeline", "snac", "busy_share")),
         ("SNAC batches", _fixed(0, "pipeline", "snac", "batches")),
         ("mean batch", _fixed(1, "pipeline", "snac", "mean_batch")),

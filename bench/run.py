@@ -20,6 +20,7 @@ from typing import Any
 
 from bench import engine_level, webrtc_level
 from bench.budget import BudgetedEngine, budgeted, sentence_budgets
+from bench.client_pool import ClientPool
 from bench.corpus import MAX_USERS_PHRASE, all_texts
 from bench.machine import machine_info
 from bench.models import chosen_model, engine_config, model_shape
@@ -51,9 +52,9 @@ async def run_scenarios(synth: Synthesizer, config: GatewayConfig, options: Benc
     run = _new_run(config, options, argv, bench_synth)
     await _warm_up(bench_synth, options)
     for level in options.levels:
-        async with _point_runner(level, config, bench_synth) as runner:
+        async with _point_runner(level, config, bench_synth, options) as (runner, client_pids):
             for scenario in options.scenarios:
-                entry = await _run_scenario(scenario, level, runner, synth, options, out_dir)
+                entry = await _run_scenario(scenario, level, runner, synth, options, out_dir, client_pids)
                 run["scenarios"].append(entry)
                 write_json(run, out_dir)  # after each scenario: a long GPU run keeps what it measured
     assert isinstance(bench_synth.engine, BudgetedEngine)
@@ -90,22 +91,29 @@ async def _warm_up(synth: Synthesizer, options: BenchOptions) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _point_runner(level: str, config: GatewayConfig, synth: Synthesizer) -> AsyncIterator[PointRunner]:
+async def _point_runner(level: str, config: GatewayConfig, synth: Synthesizer, options: BenchOptions
+                        ) -> AsyncIterator[tuple[PointRunner, list[int]]]:
+    """How a point runs at this level, and the PIDs of client processes (their CPU is not the gateway's)."""
     if level == ENGINE:
-        yield functools.partial(engine_level.run_point, synth)
+        yield functools.partial(engine_level.run_point, synth), []
     elif level == WEBRTC:
         async with webrtc_level.LocalGateway(config, synth) as gateway:
-            yield functools.partial(webrtc_level.run_point, gateway.base_url)
+            if options.client_processes:
+                async with ClientPool(options.client_processes) as pool:
+                    yield functools.partial(pool.run_point, gateway.base_url), pool.pids
+            else:
+                yield functools.partial(webrtc_level.run_point, gateway.base_url), []
     else:
         raise ValueError(f"unknown level {level!r}")
 
 
 async def _run_scenario(scenario: str, level: str, runner: PointRunner, synth: Synthesizer,
-                        options: BenchOptions, out_dir: Path) -> dict[str, Any]:
+                        options: BenchOptions, out_dir: Path, client_pids: Sequence[int]) -> dict[str, Any]:
     points = []
     for users in sweep(scenario, options):
         started = time.monotonic()
-        points.append(await _measure_point(runner, workload(scenario, users, options), users, synth, options))
+        points.append(await _measure_point(runner, workload(scenario, users, options), users, synth, options,
+                                           client_pids))
         print(f"[bench] {scenario} ({level}) {users}: {time.monotonic() - started:.1f} s", file=sys.stderr)
         await asyncio.sleep(options.cooldown_s)
     entry: dict[str, Any] = {"scenario": scenario, "level": level, "points": points}
@@ -119,8 +127,8 @@ async def _run_scenario(scenario: str, level: str, runner: PointRunner, synth: S
 
 
 async def _measure_point(runner: PointRunner, planned: Workload, users: int, synth: Synthesizer,
-                         options: BenchOptions) -> dict[str, Any]:
-    probe = PointProbe(synth.decoder)
+                         options: BenchOptions, client_pids: Sequence[int]) -> dict[str, Any]:
+    probe = PointProbe(synth.decoder, client_pids)
     probe.start()
     records = await runner(planned, options)
     pipeline = await probe.stop()

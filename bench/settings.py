@@ -61,6 +61,7 @@ class BenchOptions:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     stall_tolerance_ms: float = DEFAULT_STALL_TOLERANCE_MS
     connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY
+    client_processes: int = 0  # webrtc: 0 = client peers in the benchmark's own event loop
     out_dir: Path | None = None  # None: bench-results/<timestamp>/
     plots: bool = True
     keep_arrivals: bool = False
@@ -124,7 +125,10 @@ def _add_bench_arguments(group: Any) -> None:
     group.add_argument("--cooldown-s", type=float, default=DEFAULT_COOLDOWN_S, help="pause between points")
     group.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S)
     group.add_argument("--connect-concurrency", type=int, default=DEFAULT_CONNECT_CONCURRENCY,
-                       help="webrtc: peers negotiating at once")
+                       help="webrtc: peers negotiating at once (per client process)")
+    group.add_argument("--client-processes", type=int, default=0, metavar="K",
+                       help="webrtc: run the client peers in K processes of their own, so they don't share the "
+                            "gateway's event loop (use for more than a few dozen peers) [default: 0 = in-process]")
     group.add_argument("--out", type=Path, default=None, help="output folder [default: bench-results/<timestamp>/]")
     group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     group.add_argument("--keep-arrivals", action="store_true", help="write every chunk/frame arrival into the JSON")
@@ -171,6 +175,7 @@ def options_from_args(args: argparse.Namespace, default_tokens_per_char: float) 
         request_timeout_s=args.request_timeout_s,
         stall_tolerance_ms=args.stall_tolerance_ms,
         connect_concurrency=args.connect_concurrency,
+        client_processes=max(0, args.client_processes),
         out_dir=args.out,
         plots=not args.no_plots,
         keep_arrivals=args.keep_arrivals,

@@ -64,19 +64,24 @@ class LocalGateway:
 
 async def run_point(base_url: str, workload: Sequence[Sequence[PlannedRequest]], options: BenchOptions
                     ) -> list[RequestRecord]:
-    """Connect one peer per user, then all users speak at once, each its phrases in sequence."""
-    peers = await _connect_all(base_url, len(workload), options.connect_concurrency)
+    """Connect one peer per user (in this process), then all users speak at once, each its phrases in turn."""
+    peers = await connect_all(base_url, len(workload), options.connect_concurrency)
     try:
         await asyncio.sleep(SETTLE_S)
-        origin = time.monotonic()
-        per_user = await asyncio.gather(*(_run_peer(peer, requests, options, origin)
-                                          for peer, requests in zip(peers, workload, strict=True)))
+        return await speak_all(peers, workload, options, time.monotonic())
     finally:
-        await _close_all(base_url, peers)
+        await close_all(base_url, peers)
+
+
+async def speak_all(peers: Sequence[HeadlessPeer | BaseException], workload: Sequence[Sequence[PlannedRequest]],
+                    options: BenchOptions, origin: float) -> list[RequestRecord]:
+    """Every user speaks its phrases in turn, all users at once; `origin` is the point's start time."""
+    per_user = await asyncio.gather(*(_run_peer(peer, requests, options, origin)
+                                      for peer, requests in zip(peers, workload, strict=True)))
     return [record for records in per_user for record in records]
 
 
-async def _connect_all(base_url: str, count: int, concurrency: int) -> list[HeadlessPeer | BaseException]:
+async def connect_all(base_url: str, count: int, concurrency: int) -> list[HeadlessPeer | BaseException]:
     gate = asyncio.Semaphore(concurrency)  # hundreds of simultaneous ICE/DTLS handshakes starve the loop
 
     async def connect() -> HeadlessPeer | BaseException:
@@ -92,7 +97,7 @@ async def _connect_all(base_url: str, count: int, concurrency: int) -> list[Head
     return list(await asyncio.gather(*(connect() for _ in range(count))))
 
 
-async def _close_all(base_url: str, peers: Sequence[HeadlessPeer | BaseException]) -> None:
+async def close_all(base_url: str, peers: Sequence[HeadlessPeer | BaseException]) -> None:
     """End each server session explicitly (frees it at once), then close the client peers."""
     connected = [p for p in peers if isinstance(p, HeadlessPeer)]
     async with aiohttp.ClientSession() as http:

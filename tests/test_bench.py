@@ -69,9 +69,9 @@ SMOKE_ARGS = ["--scenario", "stress,streaming", "--level", "both", "--stress-con
               "--streaming-users", "2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1"]
 
 
-def _check_point(point: dict[str, Any], level: str) -> None:
+def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
     summary = point["summary"]
-    assert summary["ok"] == summary["requests"] == point["users"] == 2, summary["errors"]
+    assert summary["ok"] == summary["requests"] == point["users"] == users, summary["errors"]
     assert summary["audio_s"] > 0 and summary["wall_s"] > 0
     assert summary["ttfa_ms"]["min"] > 0
     assert set(summary["playback"]) == {"0", "500"}
@@ -106,3 +106,17 @@ async def test_bench_smoke_both_levels(synthesizer: Synthesizer, test_config: Ga
     for scenario in saved["scenarios"]:
         for point in scenario["points"]:
             _check_point(point, scenario["level"])
+
+
+@pytest.mark.engine
+async def test_webrtc_level_with_client_processes(synthesizer: Synthesizer, test_config: GatewayConfig,
+                                                  tmp_path: Path) -> None:
+    """Peers in two spawned processes: every user's audio arrives, and their CPU is not counted as the gateway's."""
+    args = ["--quick", "--scenario", "streaming", "--streaming-users", "3", "--level", "webrtc",
+            "--client-processes", "2", "--no-plots", "--warmup", "0", "--out", str(tmp_path)]
+    run = await run_scenarios(synthesizer, test_config, parse_options(args), args)
+
+    (point,) = run["scenarios"][0]["points"]
+    assert sorted(r["user"] for r in point["requests"]) == [0, 1, 2]
+    _check_point(point, "webrtc", users=3)
+    assert point["pipeline"]["cpu_s"]["client_processes"] > 0

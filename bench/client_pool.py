@@ -1,0 +1,118 @@
+"""Headless client peers in their own processes, so the WebRTC level measures the server, not its clients.
+
+One Python event loop cannot both serve hundreds of peers (Opus encoding, SRTP, pacing) and play hundreds of
+clients (SRTP, Opus decoding, jitter buffers): the clients would starve the server and the numbers would
+describe the benchmark, not the gateway. With `--client-processes K`, K spawned processes each hold a slice of
+the users for the whole run. Per point: every process connects its peers, the parent picks one start time
+(CLOCK_MONOTONIC is system-wide on Linux, so arrival times stay comparable), every user speaks, and the
+records come back through a pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any
+
+from bench import webrtc_level
+from bench.records import PlannedRequest, RequestRecord
+from bench.settings import BenchOptions
+
+START_MARGIN_S = 0.05  # the start time lies this far ahead, so every process gets the message first
+CHILD_EXIT_TIMEOUT_S = 10.0
+
+
+class ClientPool:
+    """K long-lived client processes (spawned: the parent holds CUDA and vLLM threads, which must not fork)."""
+
+    def __init__(self, processes: int) -> None:
+        if processes < 1:
+            raise ValueError("a client pool needs at least one process")
+        self.size = processes
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+
+    async def __aenter__(self) -> ClientPool:
+        context = multiprocessing.get_context("spawn")
+        for index in range(self.size):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_child_main, args=(child,), name=f"bench-clients-{index}", daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("exit",))
+            except OSError:
+                pass
+        for proc in self._procs:
+            await asyncio.to_thread(proc.join, CHILD_EXIT_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    async def run_point(self, base_url: str, workload: Sequence[Sequence[PlannedRequest]], options: BenchOptions
+                        ) -> list[RequestRecord]:
+        """Users are dealt round-robin to the processes; all of them start speaking at the same moment."""
+        slices = [list(workload[i::self.size]) for i in range(self.size)]
+        busy = [(conn, part) for conn, part in zip(self._conns, slices, strict=True) if part]
+        for conn, part in busy:
+            conn.send(("connect", base_url, part, options))
+        await asyncio.gather(*(_expect(conn, "connected") for conn, _ in busy))
+        await asyncio.sleep(webrtc_level.SETTLE_S)
+        origin = time.monotonic() + START_MARGIN_S
+        for conn, _ in busy:
+            conn.send(("go", origin))
+        replies = await asyncio.gather(*(_expect(conn, "records") for conn, _ in busy))
+        return [record for reply in replies for record in reply[1]]
+
+
+async def _expect(conn: Connection, kind: str) -> tuple[Any, ...]:
+    reply = await asyncio.to_thread(conn.recv)
+    if reply[0] == "failed":
+        raise RuntimeError(f"client process failed: {reply[1]}")
+    if reply[0] != kind:
+        raise RuntimeError(f"client process answered {reply[0]!r}, expected {kind!r}")
+    return reply
+
+
+def _child_main(conn: Connection) -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    asyncio.run(_child_loop(conn))
+
+
+async def _child_loop(conn: Connection) -> None:
+    while True:
+        message = await asyncio.to_thread(conn.recv)
+        if message[0] == "exit":
+            return
+        _, base_url, workload, options = message
+        try:
+            peers = await webrtc_level.connect_all(base_url, len(workload), options.connect_concurrency)
+        except Exception as exc:  # report, don't leave the parent waiting
+            conn.send(("failed", f"connect: {type(exc).__name__}: {exc}"))
+            continue
+        try:
+            conn.send(("connected", sum(1 for p in peers if isinstance(p, BaseException))))
+            go = await asyncio.to_thread(conn.recv)
+            await asyncio.sleep(max(0.0, go[1] - time.monotonic()))
+            records = await webrtc_level.speak_all(peers, workload, options, go[1])
+        except Exception as exc:
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            continue
+        finally:
+            await webrtc_level.close_all(base_url, peers)
+        conn.send(("records", records))
