@@ -1,4 +1,5 @@
 """Engine level: each user's phrases go straight into `Synthesizer.utterance` in this process (no network).
+Bare level (`vllm`): the same phrases straight into the engine, no SNAC: the ceiling to compare with.
 
 Every audio chunk's arrival time and length are recorded; so are the first generated token and the first
 complete SNAC frame (7 audio tokens), which `TimedStats` notices as the synthesizer counts tokens.
@@ -15,7 +16,7 @@ from typing import Any
 from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, new_record
 from bench.settings import BenchOptions
 from bench.timing import FRAME_TOKENS
-from gateway.orpheus import SAMPLE_RATE
+from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt, split_sentences
 from gateway.synthesizer import Synthesizer, UtteranceStats
 
 
@@ -85,3 +86,58 @@ def _fill_engine_figures(record: RequestRecord, stats: TimedStats, arrivals: lis
 
 def _ms_after(at: float | None, start: float) -> float | None:
     return None if at is None else round((at - start) * MS, 2)
+
+
+# --- bare engine: the same phrases and budgets, no SNAC, no playout ----------------------------------
+
+async def run_point_bare(synth: Synthesizer, workload: Sequence[Sequence[PlannedRequest]], options: BenchOptions
+                         ) -> list[RequestRecord]:
+    """The vLLM engine alone, driven like the gateway drives it: the ceiling the gateway is compared with.
+
+    Each sentence's prompt goes to `synth.engine.generate` (sentences of a phrase in turn, as the synthesizer
+    does); frame j counts as arrived once its 7th token has, so a stream's arrivals are what an ideal,
+    instant decoder would emit. The ratio gateway / bare at the same point is the gateway's overhead.
+    """
+    origin = time.monotonic()
+    per_user = await asyncio.gather(*(_run_user_bare(synth, requests, options, origin) for requests in workload))
+    return [record for records in per_user for record in records]
+
+
+async def _run_user_bare(synth: Synthesizer, requests: Sequence[PlannedRequest], options: BenchOptions,
+                         origin: float) -> list[RequestRecord]:
+    return [await _run_request_bare(synth, request, options, origin) for request in requests]
+
+
+async def _run_request_bare(synth: Synthesizer, request: PlannedRequest, options: BenchOptions, origin: float
+                            ) -> RequestRecord:
+    stats = TimedStats()
+    record = new_record(request, stats.started - origin)
+    arrivals: list[tuple[float, float]] = []
+    try:
+        await asyncio.wait_for(_generate_bare(synth, request, stats, arrivals), options.request_timeout_s)
+        record.ok = bool(arrivals)
+        record.error = None if arrivals else "no_audio"
+    except Exception as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    _fill_engine_figures(record, stats, arrivals)
+    record.ttfa_ms = None  # set by apply_arrivals from the first whole frame
+    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals)
+    return record
+
+
+async def _generate_bare(synth: Synthesizer, request: PlannedRequest, stats: TimedStats,
+                         arrivals: list[tuple[float, float]]) -> None:
+    frame_s = SAMPLES_PER_FRAME / SAMPLE_RATE
+    voice = synth.config.voice
+    for sentence in split_sentences(request.phrase.text, synth.config.max_sentence_chars):
+        prompt = build_prompt(synth.tokenizer, voice, sentence)
+        sentence_tokens = 0
+        async for ids in synth.engine.generate(prompt):
+            now = time.monotonic()
+            if stats.first_token_at is None:
+                stats.first_token_at = now
+            audio = [i for i in ids if i != END_OF_SPEECH_ID]
+            frames_before = sentence_tokens // FRAME_TOKENS
+            sentence_tokens += len(audio)
+            stats.tokens += len(audio)
+            arrivals += [(now - stats.started, frame_s)] * (sentence_tokens // FRAME_TOKENS - frames_before)

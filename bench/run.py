@@ -29,7 +29,7 @@ from bench.probes import PointProbe
 from bench.records import PlannedRequest, RequestRecord, summarize
 from bench.report import markdown_table, pipeline_table, write_json
 from bench.scenarios import Workload, sweep, workload
-from bench.settings import ENGINE, WEBRTC, BenchOptions, build_parser, options_from_args
+from bench.settings import BARE, ENGINE, WEBRTC, BenchOptions, build_parser, options_from_args
 from gateway.config import GatewayConfig
 from gateway.synthesizer import Synthesizer
 
@@ -94,7 +94,9 @@ async def _warm_up(synth: Synthesizer, options: BenchOptions) -> None:
 async def _point_runner(level: str, config: GatewayConfig, synth: Synthesizer, options: BenchOptions
                         ) -> AsyncIterator[tuple[PointRunner, list[int]]]:
     """How a point runs at this level, and the PIDs of client processes (their CPU is not the gateway's)."""
-    if level == ENGINE:
+    if level == BARE:
+        yield functools.partial(engine_level.run_point_bare, synth), []
+    elif level == ENGINE:
         yield functools.partial(engine_level.run_point, synth), []
     elif level == WEBRTC:
         async with webrtc_level.LocalGateway(config, synth) as gateway:

@@ -15,10 +15,11 @@ from typing import Any
 from bench.scenarios import MAX_USERS, SCENARIOS, STREAMING, STRESS, TTFA
 from gateway.config import add_arguments
 
+BARE = "vllm"  # the engine alone, no SNAC: the ceiling
 ENGINE = "engine"
 WEBRTC = "webrtc"
-LEVELS = (ENGINE, WEBRTC)
-BOTH = "both"
+LEVELS = (BARE, ENGINE, WEBRTC)
+BOTH = "both"  # engine,webrtc
 ALL = "all"
 
 # The seed's sweeps (RTX 4090, canopylabs/orpheus-3b-0.1-ft).
@@ -89,6 +90,16 @@ def _scenario_list(text: str) -> list[str]:
     return names
 
 
+def _level_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if names == [BOTH]:
+        return [ENGINE, WEBRTC]
+    unknown = [n for n in names if n not in LEVELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown level(s) {unknown}; choose from {[*LEVELS, BOTH]}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.run",
@@ -103,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench_arguments(group: Any) -> None:
     group.add_argument("--scenario", type=_scenario_list, default=list(SCENARIOS),
                        help=f"comma-separated: {', '.join(SCENARIOS)} or {ALL} [default: {ALL}]")
-    group.add_argument("--level", choices=[*LEVELS, BOTH], default=ENGINE,
-                       help="engine: Synthesizer in-process; webrtc: gateway + headless peers [default: engine]")
+    group.add_argument("--level", type=_level_list, default=[ENGINE], metavar="LEVEL,...",
+                       help="comma-separated, run in this order: vllm (the engine alone, no SNAC: the ceiling), "
+                            "engine (Synthesizer in-process), webrtc (gateway + headless peers); "
+                            "both = engine,webrtc [default: engine]")
     group.add_argument("--quick", action="store_true", help=f"tiny sweeps for a CPU smoke run: {QUICK_SWEEPS}")
     for name in SCENARIOS:
         flag = {MAX_USERS: "--max-users", STREAMING: "--streaming-users"}.get(name, f"--{name}-concurrency")
@@ -163,7 +176,7 @@ def options_from_args(args: argparse.Namespace, default_tokens_per_char: float) 
     chosen = {name: list(value if value is not None else sweeps[name]) for name, value in given.items()}
     return BenchOptions(
         scenarios=args.scenario,
-        levels=list(LEVELS) if args.level == BOTH else [args.level],
+        levels=args.level,
         stress_concurrency=chosen[STRESS], ttfa_concurrency=chosen[TTFA], max_users=chosen[MAX_USERS],
         streaming_users=chosen[STREAMING],
         phrases_per_user=args.phrases_per_user,

@@ -65,7 +65,7 @@ def test_table_leaves_out_empty_columns() -> None:
 
 # --- smoke run on the shared engine ------------------------------------------------------------------
 
-SMOKE_ARGS = ["--scenario", "stress,streaming", "--level", "both", "--stress-concurrency", "2",
+SMOKE_ARGS = ["--scenario", "stress,streaming", "--level", "vllm,engine,webrtc", "--stress-concurrency", "2",
               "--streaming-users", "2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1"]
 
 
@@ -78,8 +78,9 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
     for request in point["requests"]:
         assert request["audio_s"] > 0 and request["ttfa_ms"] > 0 and request["max_gap_ms"] is not None
         assert set(request["playback"]) == {"0", "500"}
-        if level == "engine":
+        if level in ("engine", "vllm"):
             assert 0 < request["ttft_ms"] <= request["ttfa_ms"]
+            assert request["tokens"] >= 7 * request["chunks"] if level == "vllm" else request["tokens"] > 0
         else:
             assert request["server"]["audio_ms"] > 0 and request["server"]["underruns"] is not None
     assert point["pipeline"]["wall_s"] > 0
@@ -101,7 +102,7 @@ async def test_bench_smoke_both_levels(synthesizer: Synthesizer, test_config: Ga
     assert saved["model"]["shape"]["vocab_size"] == 156_940
     assert saved["engine"]["model"] == test_config.model
     assert [(s["scenario"], s["level"]) for s in saved["scenarios"]] == [
-        ("stress", "engine"), ("streaming", "engine"), ("stress", "webrtc"), ("streaming", "webrtc")]
+        ("stress", "vllm"), ("streaming", "vllm"), ("stress", "engine"), ("streaming", "engine"), ("stress", "webrtc"), ("streaming", "webrtc")]
     assert set(plots.values()) == {PNG_SIGNATURE}
     for scenario in saved["scenarios"]:
         for point in scenario["points"]:
