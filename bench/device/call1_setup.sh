@@ -13,3 +13,7 @@ echo "=== model"
 PYTHONPATH=/tmp/site:$REPO timeout 300 python3 -m gateway.devmodels /tmp/orpheus-struct --shape orpheus-3b --stop-probability 0 --snac 2>&1 | tail -3
 du -sh /tmp/orpheus-struct
 echo "call1 total $(( $(date +%s) - T0 ))s"
+echo "=== SNAC preflight (graphed == eager?)"
+PYTHONPATH=/tmp/site:$REPO timeout 120 python3 $REPO/bench/device/snac_check.py /tmp/orpheus-struct/snac $OUT \
+  || { echo "SNAC graphs differ or failed: later calls run with --no-snac-cuda-graphs"; touch /tmp/snac_graphs_bad; }
+echo "call1 with SNAC check $(( $(date +%s) - T0 ))s"

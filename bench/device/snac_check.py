@@ -1,0 +1,71 @@
+"""GPU preflight for the gateway's SNAC path: CUDA-graphed decoding must equal eager decoding, and how fast.
+
+Run on the device after call 1 built the model: `python3 bench/device/snac_check.py /tmp/orpheus-struct/snac OUT`.
+Writes OUT/snac_check.json; exit status 1 if a graphed batch differs from eager beyond the tolerance (then
+the benchmark runs with --no-snac-cuda-graphs).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gateway.codec import SnacModel, _GraphedDecoder
+
+WINDOW_FRAMES = (2, 3)  # first window and steady-state window with the default context/lookahead/hop 1/1/1
+CHECK_BATCHES = (1, 5, 64, 200, 256)
+TIME_BATCHES = (1, 16, 64, 128, 256)
+MAX_BATCH = 256
+TOLERANCE = 1e-3  # graph replay runs the same kernels; only nondeterministic reductions may differ
+REPEATS = 20
+
+
+def codes_for(batch: int, frames: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 4096, (batch, frames * k), device="cuda") for k in (1, 2, 4)]
+
+
+def median_ms(fn) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1000)
+    return round(statistics.median(times), 3)
+
+
+def main() -> int:
+    snac_dir, out = sys.argv[1], Path(sys.argv[2])
+    snac = SnacModel.load(snac_dir, "cuda")
+    t0 = time.perf_counter()
+    graphs = {f: _GraphedDecoder(snac.model, "cuda", f, MAX_BATCH) for f in WINDOW_FRAMES}
+    report: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "capture_s": round(time.perf_counter() - t0, 2),
+                                 "max_abs_diff": {}, "ms_per_batch": {}}
+    ok = True
+    with torch.inference_mode():
+        for frames, graphed in graphs.items():
+            for batch in CHECK_BATCHES:
+                codes = codes_for(batch, frames)
+                diff = float((graphed(codes) - snac.model.decode(codes)).abs().max())
+                report["max_abs_diff"][f"{frames}f-B{batch}"] = diff  # type: ignore[index]
+                ok &= diff <= TOLERANCE
+            for batch in TIME_BATCHES:
+                codes = codes_for(batch, frames)
+                report["ms_per_batch"][f"{frames}f-B{batch}"] = {  # type: ignore[index]
+                    "eager": median_ms(lambda c=codes: snac.model.decode(c)),
+                    "graph": median_ms(lambda c=codes, g=graphed: g(c))}
+    report["ok"] = ok
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "snac_check.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
