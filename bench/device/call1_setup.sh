@@ -2,7 +2,9 @@
 # Device call 1 of a GPU benchmark session (see bench/device/README.md).
 # carry: .devcarry/cur1 .devcarry/bench .devcarry/gw1
 # Unpacks vLLM (part A), installs the gateway's pure-Python deps, builds the Orpheus-shaped model.
-REPO=$(pwd); DC=$REPO/.devcarry; T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/site
+REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree (git archive HEAD)
+cd $SRC  # python -m puts the working directory first on sys.path
+T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/site
 ( cd /tmp/site && tar -xJf $DC/cur1/siteA.tar.xz )
 python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site $DC/gw1/*.whl $DC/bench/snac-*.whl
 echo "unpacked A + gateway deps in $(( $(date +%s) - T0 ))s"
@@ -10,10 +12,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -V; nproc; free -g | head -2
 PYTHONPATH=/tmp/site python3 $DC/bench/check_imports.py aiohttp,numpy,transformers,tokenizers,safetensors,matplotlib,prometheus_client,psutil,cryptography,av,snac 2>&1 | tee $OUT/imports.log
 echo "=== model"
-PYTHONPATH=/tmp/site:$REPO timeout 300 python3 -m gateway.devmodels /tmp/orpheus-struct --shape orpheus-3b --stop-probability 0 --snac 2>&1 | tail -3
+PYTHONPATH=/tmp/site:$SRC timeout 300 python3 -m gateway.devmodels /tmp/orpheus-struct --shape orpheus-3b --stop-probability 0 --snac 2>&1 | tail -3
 du -sh /tmp/orpheus-struct
 echo "call1 total $(( $(date +%s) - T0 ))s"
 echo "=== SNAC preflight (graphed == eager?)"
-PYTHONPATH=/tmp/site:$REPO timeout 120 python3 $REPO/bench/device/snac_check.py /tmp/orpheus-struct/snac $OUT \
+PYTHONPATH=/tmp/site:$SRC timeout 120 python3 $SRC/bench/device/snac_check.py /tmp/orpheus-struct/snac $OUT \
   || { echo "SNAC graphs differ or failed: later calls run with --no-snac-cuda-graphs"; touch /tmp/snac_graphs_bad; }
 echo "call1 with SNAC check $(( $(date +%s) - T0 ))s"

@@ -2,12 +2,14 @@
 # Device call 3+ (same warm machine, after calls 1 and 2): the gateway's own benchmark on the Orpheus-shaped model.
 # carry: .devcarry/gw2 (first time only: av + cryptography wheels)
 # env:   NAME (output folder under $OUT), BENCH_ARGS (bench.run flags: levels, scenarios, sweeps, engine settings)
-REPO=$(pwd); DC=$REPO/.devcarry; T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-gateway}; mkdir -p $OUT/$NAME
+REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree (git archive HEAD)
+cd $SRC  # python -m puts the working directory first on sys.path
+T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-gateway}; mkdir -p $OUT/$NAME
 [ -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ] || { echo "vLLM part B missing: run calls 1 and 2 first"; exit 3; }
 if ls $DC/gw2/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/av ]; then
   python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site $DC/gw2/*.whl
 fi
-export PYTHONPATH=/tmp/site:$REPO VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=/tmp/site:$SRC VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -c "import aiortc, av, gateway.session, bench.run; print('imports ok, aiortc', aiortc.__version__, 'av', av.__version__)" || exit 4
 GRAPHS=""
