@@ -54,9 +54,11 @@ async def run_scenarios(synth: Synthesizer, config: GatewayConfig, options: Benc
     for level in options.levels:
         async with _point_runner(level, config, bench_synth, options) as (runner, client_pids):
             for scenario in options.scenarios:
-                entry = await _run_scenario(scenario, level, runner, synth, options, out_dir, client_pids)
+                entry: dict[str, Any] = {"scenario": scenario, "level": level, "points": []}
                 run["scenarios"].append(entry)
-                write_json(run, out_dir)  # after each scenario: a long GPU run keeps what it measured
+                # The JSON is rewritten after every point: a run cut short keeps what it measured.
+                await _run_scenario(entry, runner, synth, options, out_dir, client_pids,
+                                    on_point=lambda: write_json(run, out_dir))
     assert isinstance(bench_synth.engine, BudgetedEngine)
     run["unbudgeted_requests"] = bench_synth.engine.unbudgeted
     run["finished"] = _now()
@@ -109,23 +111,23 @@ async def _point_runner(level: str, config: GatewayConfig, synth: Synthesizer, o
         raise ValueError(f"unknown level {level!r}")
 
 
-async def _run_scenario(scenario: str, level: str, runner: PointRunner, synth: Synthesizer,
-                        options: BenchOptions, out_dir: Path, client_pids: Sequence[int]) -> dict[str, Any]:
-    points = []
+async def _run_scenario(entry: dict[str, Any], runner: PointRunner, synth: Synthesizer, options: BenchOptions,
+                        out_dir: Path, client_pids: Sequence[int], on_point: Callable[[], object]) -> None:
+    """Fill `entry` (scenario, level, points) point by point, then print its tables and draw its plot."""
+    scenario, level, points = entry["scenario"], entry["level"], entry["points"]
     for users in sweep(scenario, options):
         started = time.monotonic()
         points.append(await _measure_point(runner, workload(scenario, users, options), users, synth, options,
                                            client_pids))
+        on_point()
         print(f"[bench] {scenario} ({level}) {users}: {time.monotonic() - started:.1f} s", file=sys.stderr)
         await asyncio.sleep(options.cooldown_s)
-    entry: dict[str, Any] = {"scenario": scenario, "level": level, "points": points}
     if options.print_tables:
         print(markdown_table(scenario, level, points, options.buffers_ms) + "\n", flush=True)
         print(pipeline_table(scenario, level, points) + "\n", flush=True)
     if options.plots:
         entry["plot"] = str(plot_scenario(scenario, level, points, options.buffers_ms,
                                           out_dir / f"{scenario}-{level}.png"))
-    return entry
 
 
 async def _measure_point(runner: PointRunner, planned: Workload, users: int, synth: Synthesizer,

@@ -102,7 +102,8 @@ async def test_bench_smoke_both_levels(synthesizer: Synthesizer, test_config: Ga
     assert saved["model"]["shape"]["vocab_size"] == 156_940
     assert saved["engine"]["model"] == test_config.model
     assert [(s["scenario"], s["level"]) for s in saved["scenarios"]] == [
-        ("stress", "vllm"), ("streaming", "vllm"), ("stress", "engine"), ("streaming", "engine"), ("stress", "webrtc"), ("streaming", "webrtc")]
+        ("stress", "vllm"), ("streaming", "vllm"), ("stress", "engine"), ("streaming", "engine"),
+        ("stress", "webrtc"), ("streaming", "webrtc")]
     assert set(plots.values()) == {PNG_SIGNATURE}
     for scenario in saved["scenarios"]:
         for point in scenario["points"]:
