@@ -77,6 +77,8 @@ class GatewayConfig:
     ice_servers: list[str] = _opt([], "STUN/TURN urls (repeatable). None: no external server is contacted.")  # noqa: RUF009
     ice_username: str | None = _opt(None, "TURN username.")
     ice_credential: str | None = _opt(None, "TURN credential.")
+    opus_bitrate: int = _opt(32000, "Opus bits/s of each session's audio (mono speech; 24-48 kbps is transparent).")
+    opus_complexity: int = _opt(5, "Opus encoder complexity 0-10: CPU per peer vs quality (aiortc's own: 10).")
     max_sessions: int = _opt(512, "Most concurrent WebRTC sessions; more get 503.")
     max_queued_utterances: int = _opt(16, "Most utterances waiting in one session.")
     session_idle_timeout_s: float = _opt(600.0, "A session with no message for this long is closed.")
@@ -201,6 +203,8 @@ def validate(config: GatewayConfig) -> None:
         (config.max_text_chars >= 1, "max_text_chars must be >= 1"),
         (1 <= config.port <= 65535 or config.port == 0, "port must be within 0..65535"),
         (config.max_sessions >= 1, "max_sessions must be >= 1"),
+        (6000 <= config.opus_bitrate <= 510000, "opus_bitrate must be within 6000..510000 (Opus' range)"),
+        (0 <= config.opus_complexity <= 10, "opus_complexity must be within 0..10"),
         (config.max_in_flight_utterances >= 0, "max_in_flight_utterances must be >= 0 (0 = max_num_seqs)"),
         (config.engine_tokens_per_second == 0 or config.engine_tokens_per_second >= AUDIO_TOKENS_PER_SECOND,
          f"engine_tokens_per_second must be 0 (off) or at least {AUDIO_TOKENS_PER_SECOND:.2f} (one stream)"),

@@ -29,6 +29,7 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
 from gateway.admission import CapacityError, Slot, TokenBucket
+from gateway.encoder import OpusTrack
 from gateway.engine import EngineError
 from gateway.http import GATEWAY_KEY, OFFER_PATH, capacity_error, json_error, read_json_object
 from gateway.orpheus import SentenceSplitter
@@ -140,7 +141,9 @@ class Session:
         self._worker = asyncio.create_task(self._run(), name=f"session-{self.id[:8]}")
         self._watchdog = asyncio.create_task(self._watch(), name=f"session-watch-{self.id[:8]}")
 
-        pc.addTrack(self.track)
+        # aiortc sends what the Opus stage returns; the playout track stays the one place that keeps time.
+        self.media = OpusTrack(self.track, bitrate=config.opus_bitrate, complexity=config.opus_complexity)
+        pc.addTrack(self.media)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
 
@@ -441,7 +444,7 @@ class Session:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self.track.stop()
+        self.media.stop()  # stops the playout track too
         try:
             await self.pc.close()
         except Exception:  # aiortc can fail to close a peer whose negotiation failed half way (fuzzing found it)
