@@ -112,11 +112,30 @@ async def test_real_pacing_20ms_without_bursts() -> None:
 
 
 @pytest.mark.asyncio
+async def test_catches_up_after_a_short_delay() -> None:
+    """A loop that was busy for 3 frames: those frames go out at once, then the clock is kept."""
+    track = PlayoutTrack()
+    for _ in range(3):
+        await track.recv()
+    t_start = time.monotonic()
+    _stall_event_loop(0.07)  # 3.5 frames late
+    for _ in range(3):
+        await track.recv()
+    t_caught_up = time.monotonic()
+    for _ in range(5):
+        await track.recv()
+    t_end = time.monotonic()
+    assert track.stats().reanchors == 0
+    assert t_caught_up - t_start < 0.09  # no extra waiting for the late frames
+    assert 0.08 <= t_end - t_caught_up <= 0.12  # then 20 ms per frame, on the original clock
+
+
+@pytest.mark.asyncio
 async def test_reanchors_after_a_stall_instead_of_bursting() -> None:
     track = PlayoutTrack()
     for _ in range(3):
         await track.recv()
-    _stall_event_loop(0.1)  # 5 frames late
+    _stall_event_loop(0.3)  # 15 frames late
     t0 = time.monotonic()
     await track.recv()  # late already: returned at once, clock re-anchored
     t1 = time.monotonic()
