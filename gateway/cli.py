@@ -13,6 +13,8 @@ from pathlib import Path
 from gateway import config as config_mod
 from gateway.orpheus import SAMPLE_RATE
 
+SYNTH_READY_TIMEOUT_S = 30.0  # synth waits this long for a --vllm-url server that is still starting
+
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -36,6 +38,14 @@ async def _synth(args: argparse.Namespace) -> int:
     _configure_logging(config.log_level)
     synthesizer = await asyncio.to_thread(Synthesizer.load, config)
     await synthesizer.start()
+    if not synthesizer.engine.ready:  # remote servers (--vllm-url) that do not answer yet
+        try:
+            await synthesizer.engine.wait_ready(SYNTH_READY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await synthesizer.close()
+            print(f"orpheus-gateway: error: no vLLM server answered within {SYNTH_READY_TIMEOUT_S:.0f} s: "
+                  f"{', '.join(config.vllm_urls)}", file=sys.stderr)
+            return 1
     stats = UtteranceStats()
     out = Path(args.output)
     try:

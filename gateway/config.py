@@ -1,6 +1,7 @@
 """The gateway's one configuration object.
 
-Every field is a CLI flag (`--max-num-seqs`) and an environment variable (`ORPHEUS_GATEWAY_MAX_NUM_SEQS`);
+Every field is a CLI flag (`--max-num-seqs`; a field may name its own, e.g. `vllm_urls` is `--vllm-url`) and an
+environment variable (`ORPHEUS_GATEWAY_MAX_NUM_SEQS`; lists and tuples are comma-separated there);
 the flag wins over the variable, the variable over the default written here. `orpheus-gateway serve --help`
 prints every field with its default.
 """
@@ -12,6 +13,7 @@ import dataclasses
 import os
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,13 @@ class GatewayConfig:
     seed: int | None = _opt(None, "Sampling seed (tests); None = random.")
     engine_restart_delay_s: float = _opt(1.0, "Pause before restarting a dead engine.")
     engine_health_interval_s: float = _opt(2.0, "How often the engine's health is checked.")
+    # --- remote engines (`vllm serve`) ------------------------------------------------------------
+    vllm_urls: tuple[str, ...] = _opt((), "Base URL of a `vllm serve` server, e.g. http://gpu1:8001 (repeatable). "
+                                      "Set: tokens come from these servers (least-loaded, with failover) and no "
+                                      "in-process engine starts.", flag="vllm-url")
+    vllm_api_key: str | None = _opt(None, "API key the vLLM servers expect (their --api-key).")
+    vllm_model: str | None = _opt(None, "Model name the vLLM servers serve; default: each server's first /v1/models.")
+    vllm_read_timeout_s: float = _opt(60.0, "A vLLM server silent this long during a stream counts as dead.")
     # --- sampling ---------------------------------------------------------------------------------
     temperature: float = _opt(0.6, "Sampling temperature.")
     top_p: float = _opt(0.8, "Nucleus sampling mass.")
@@ -118,9 +127,9 @@ class GatewayConfig:
 
 
 def _base_type(tp: Any) -> tuple[type, bool]:
-    """(scalar type, is_list) of a field annotation such as `int | None` or `list[str]`."""
+    """(scalar type, is_list) of a field annotation such as `int | None`, `list[str]` or `tuple[str, ...]`."""
     origin = typing.get_origin(tp)
-    if origin is list:
+    if origin in (list, tuple):
         return typing.get_args(tp)[0], True
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -146,16 +155,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(GatewayConfig)
     for f in dataclasses.fields(GatewayConfig):
         tp, is_list = _base_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         env = ENV_PREFIX + f.name.upper()
         help_text = f"{f.metadata['help']} [default: {default!r}; env {env}]"
+        # A field with its own flag shows that name in usage lines too (--vllm-url VLLM_URL).
+        named = {"metavar": f.metadata["flag"].replace("-", "_").upper()} if "flag" in f.metadata else {}
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
         elif is_list:
-            parser.add_argument(flag, action="append", type=tp, default=None, help=help_text)
+            parser.add_argument(flag, dest=f.name, action="append", type=tp, default=None, help=help_text, **named)
         else:
-            parser.add_argument(flag, type=lambda s, tp=tp: _parse_scalar(tp, s), default=None, help=help_text)
+            parser.add_argument(flag, dest=f.name, type=lambda s, tp=tp: _parse_scalar(tp, s), default=None,
+                                help=help_text, **named)
 
 
 def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,
@@ -170,7 +183,7 @@ def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | N
         if raw is not None:
             try:
                 if is_list:
-                    values[f.name] = [_parse_scalar(tp, part) for part in raw.split(",") if part.strip()]
+                    values[f.name] = [_parse_scalar(tp, part.strip()) for part in raw.split(",") if part.strip()]
                 else:
                     values[f.name] = _parse_scalar(tp, raw)
             except ValueError as exc:
@@ -179,6 +192,9 @@ def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | N
         if cli is not None:
             values[f.name] = cli
     values.update(overrides)
+    for f in dataclasses.fields(GatewayConfig):
+        if typing.get_origin(hints[f.name]) is tuple and values.get(f.name) is not None:
+            values[f.name] = tuple(values[f.name])  # flags and env give lists; tuple fields stay hashable, immutable
     config = GatewayConfig(**values)
     validate(config)
     return config
@@ -214,6 +230,7 @@ def validate(config: GatewayConfig) -> None:
         (config.heartbeat_timeout_s >= 0, "heartbeat_timeout_s must be >= 0 (0 = off)"),
         (config.session_connect_timeout_s >= 0, "session_connect_timeout_s must be >= 0 (0 = off)"),
         (config.max_session_s >= 0, "max_session_s must be >= 0 (0 = no limit)"),
+        (config.vllm_read_timeout_s > 0, "vllm_read_timeout_s must be > 0"),
         (all(len(t) >= MIN_SECRET_CHARS for t in config.auth_token),
          f"auth_token: each token must have at least {MIN_SECRET_CHARS} characters"),
         (all(len(s) >= MIN_SECRET_CHARS for s in config.auth_secret),
@@ -222,6 +239,11 @@ def validate(config: GatewayConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    for url in config.vllm_urls:
+        if not _is_base_url(url):
+            raise ConfigError(f"vllm_urls: {url!r} is not an http(s) base URL such as http://gpu1:8001")
+    if len({url.rstrip("/") for url in config.vllm_urls}) != len(config.vllm_urls):
+        raise ConfigError(f"vllm_urls: a server is listed twice: {list(config.vllm_urls)}")
     for origin in config.allowed_origin:
         try:
             normalize_origin(origin)
@@ -229,3 +251,12 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"allowed_origin: {exc}") from None
     if config.default_voice is not None and config.default_voice not in config.voice_list:
         raise ConfigError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")
+
+
+def _is_base_url(url: str) -> bool:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not (parts.query or parts.fragment)

@@ -4,10 +4,14 @@
 (continuous batching does the rest), aborts a request when its consumer goes away, and watches the engine:
 when it dies, every in-flight request fails with `EngineDeadError` and a new engine is started in place,
 without restarting the server.
+
+`EngineBase` is what every backend shares (states, readiness, counters), with the error classes and the
+sampling settings; `gateway.remote.RemoteEngine` is the other backend, streaming from `vllm serve` servers.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import enum
@@ -40,6 +44,12 @@ class EngineDeadError(EngineError):
     """The engine died while this request was running; it is being restarted."""
 
     code = "engine_dead"
+
+
+class EngineRequestError(EngineError):
+    """The engine refused this request as invalid (e.g. longer than the model's context); retrying will not help."""
+
+    code = "engine_rejected"
 
 
 class EngineState(enum.Enum):
@@ -76,37 +86,94 @@ def engine_args(config: GatewayConfig) -> Any:
     return AsyncEngineArgs(**kwargs)
 
 
-def sampling_params(config: GatewayConfig, max_tokens: int | None = None, seed: int | None = None) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+def sampling_settings(config: GatewayConfig, max_tokens: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """The sampling every backend applies, as plain values: vLLM `SamplingParams` fields, which are also the
+    fields of an OpenAI-compatible `/v1/completions` request to `vllm serve`.
 
-    return SamplingParams(
+    top_k, min_p and the presence/frequency penalties are pinned to vLLM's neutral values: `vllm serve` would
+    otherwise fill them from the checkpoint's generation_config.json, which the in-process engine ignores.
+    """
+    return dict(
         temperature=config.temperature,
         top_p=config.top_p,
+        top_k=0,
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
         repetition_penalty=config.repetition_penalty,
         max_tokens=max_tokens or config.max_tokens,
         stop_token_ids=[END_OF_SPEECH_ID],
         seed=seed if seed is not None else config.seed,
-        detokenize=False,
-        output_kind=RequestOutputKind.DELTA,
     )
 
 
-class OrpheusEngine:
-    """Start once, share everywhere, restart on death."""
+def sampling_params(config: GatewayConfig, max_tokens: int | None = None, seed: int | None = None) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(**sampling_settings(config, max_tokens, seed), detokenize=False,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+class EngineBase(abc.ABC):
+    """What every backend (in-process `OrpheusEngine`, `gateway.remote.RemoteEngine`) shares: the state
+    machine, readiness, and the counters the server and the tests read."""
 
     def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None) -> None:
         self.config = config
         self.state = EngineState.STOPPED
-        self.restarts = 0
-        self.started_at: float | None = None
-        self._llm: Any = None
+        self.restarts = 0  # times the engine came back after being lost
         self.on_state = on_state
         self._ids = itertools.count()
-        self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
         self._in_flight: set[str] = set()
         self.requests_started = 0  # every generate() call so far (tests, metrics)
         self._ready = asyncio.Event()
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def unfinished_requests(self) -> int:
+        """Requests still open on the engine side (0 once every aborted request is really gone)."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None, seed: int | None = None,
+                 priority: int = 0) -> AsyncIterator[list[int]]:
+        """Stream the ids generated for one prompt as DELTA lists; closing the iterator aborts the request."""
+
+    def _set_state(self, state: EngineState) -> None:
+        self.state = state
+        if state is EngineState.READY:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        if self.on_state is not None:
+            self.on_state(state)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this gateway has running in the engine."""
+        return len(self._in_flight)
+
+
+class OrpheusEngine(EngineBase):
+    """Start once, share everywhere, restart on death."""
+
+    def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None) -> None:
+        super().__init__(config, on_state)
+        self.started_at: float | None = None
+        self._llm: Any = None
+        self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
         self._watchdog: asyncio.Task[None] | None = None
         self._restart_lock = asyncio.Lock()
 
@@ -141,27 +208,6 @@ class OrpheusEngine:
         llm, self._llm = self._llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
-
-    def _set_state(self, state: EngineState) -> None:
-        self.state = state
-        if state is EngineState.READY:
-            self._ready.set()
-        else:
-            self._ready.clear()
-        if self.on_state is not None:
-            self.on_state(state)
-
-    @property
-    def ready(self) -> bool:
-        return self.state is EngineState.READY
-
-    async def wait_ready(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self._ready.wait(), timeout)
-
-    @property
-    def in_flight(self) -> int:
-        """Requests this gateway has running in the engine."""
-        return len(self._in_flight)
 
     def unfinished_requests(self) -> int:
         """Requests the engine itself still tracks (0 once every aborted request is really gone)."""

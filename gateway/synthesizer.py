@@ -21,8 +21,9 @@ import numpy as np
 
 from gateway.codec import DecodeBatcher, SnacModel, StreamWindower
 from gateway.config import GatewayConfig
-from gateway.engine import OrpheusEngine
+from gateway.engine import EngineBase, OrpheusEngine
 from gateway.orpheus import SAMPLE_RATE, AudioTokenParser, build_prompt, split_sentences
+from gateway.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ _END = object()  # end of one sentence's chunk queue
 class Synthesizer:
     """Owns the engine, the tokenizer and the SNAC decoder; hands out audio streams."""
 
-    def __init__(self, config: GatewayConfig, engine: OrpheusEngine, tokenizer: Any, decoder: DecodeBatcher) -> None:
+    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any, decoder: DecodeBatcher) -> None:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -89,7 +90,10 @@ class Synthesizer:
 
     @classmethod
     def load(cls, config: GatewayConfig) -> Synthesizer:
-        """Load tokenizer and SNAC (fast); the engine still has to be started with `start()`."""
+        """Load tokenizer and SNAC (fast); the engine still has to be started with `start()`.
+
+        With `vllm_urls` set, tokens come from those `vllm serve` servers and no in-process engine is made.
+        """
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
@@ -99,7 +103,11 @@ class Synthesizer:
             snac.capture_graphs([1 + lookahead, context + config.decode_hop_frames + lookahead],
                                 config.decode_max_batch)
         decoder = DecodeBatcher(snac, config.decode_max_batch)
-        engine = OrpheusEngine(config)
+        engine: EngineBase
+        if config.vllm_urls:
+            engine = RemoteEngine(config)
+        else:
+            engine = OrpheusEngine(config)
         return cls(config, engine, tokenizer, decoder)
 
     async def start(self) -> None:

