@@ -27,6 +27,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = config_mod.from_sources(args)
     _configure_logging(config.log_level)
+    if config.workers > 1:
+        from gateway.workers import run_supervisor
+
+        return run_supervisor(config)
     web.run_app(create_app(config), host=config.host, port=config.port, access_log=None)
     return 0
 

@@ -81,6 +81,10 @@ class GatewayConfig:
     host: str = _opt("0.0.0.0", "Address to listen on.")
     port: int = _opt(8000, "Port to listen on.")
     max_body_bytes: int = _opt(64 * 1024, "Largest HTTP request body.")
+    workers: int = _opt(1, "Gateway processes sharing the port (WebRTC, SNAC, playout spread over CPU cores). "
+                        "Above 1, they share one `vllm serve`: the --vllm-url servers, or one started here.")
+    vllm_port: int = _opt(0, "With --workers > 1 and no --vllm-url: loopback port of the `vllm serve` started "
+                          "here (0 = a free port).")
     # --- WebRTC sessions --------------------------------------------------------------------------
     jitter_buffer_ms: int = _opt(500, "Default audio queued before an utterance starts playing (0-5000).")
     ice_servers: list[str] = _opt([], "STUN/TURN urls (repeatable). None: no external server is contacted.")  # noqa: RUF009
@@ -219,6 +223,8 @@ def validate(config: GatewayConfig) -> None:
         (config.max_text_chars >= 1, "max_text_chars must be >= 1"),
         (1 <= config.port <= 65535 or config.port == 0, "port must be within 0..65535"),
         (config.max_sessions >= 1, "max_sessions must be >= 1"),
+        (config.workers >= 1, "workers must be >= 1"),
+        (0 <= config.vllm_port <= 65535, "vllm_port must be within 0..65535"),
         (6000 <= config.opus_bitrate <= 510000, "opus_bitrate must be within 6000..510000 (Opus' range)"),
         (0 <= config.opus_complexity <= 10, "opus_complexity must be within 0..10"),
         (config.max_in_flight_utterances >= 0, "max_in_flight_utterances must be >= 0 (0 = max_num_seqs)"),

@@ -63,6 +63,7 @@ class Gateway:
         self.metrics = Metrics()
         self.synthesizer = synthesizer
         self.sessions: Any = None  # set by gateway.session.SessionManager when WebRTC is mounted
+        self.session_id_prefix = ""  # `w<index>-` in a worker process (gateway.workers): who owns a session
         self.admission = Admission.from_config(config)
         self.access = AccessPolicy.from_lists(config.auth_token, config.auth_secret, config.allowed_origin)
         # Refusals by error code (at_capacity, rate_limited, missing_token, ...): the operator's overload signal.

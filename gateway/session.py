@@ -117,9 +117,9 @@ class Session:
 
     def __init__(self, manager: SessionManager, pc: RTCPeerConnection, voice: str, jitter_buffer_ms: int,
                  slot: Slot | None = None) -> None:
-        self.id = uuid.uuid4().hex
         self.manager = manager
         self.gateway = manager.gateway
+        self.id = self.gateway.session_id_prefix + uuid.uuid4().hex
         config = self.gateway.config
         self.pc = pc
         self.voice = voice

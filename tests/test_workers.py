@@ -1,0 +1,154 @@
+"""`serve --workers 2` against the real `vllm serve` (tiny model, CPU): two processes on one port, sessions
+sticky to the worker that answered the offer, requests about a session passed to its owner, a killed worker
+restarted, everything stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+
+from gateway.client import HeadlessPeer
+from gateway.workers import FORWARDED_HEADER, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
+from tests.conftest import TEST_MAX_TOKENS, VllmServer, free_port
+
+pytestmark = pytest.mark.engine
+
+WORKERS = 2
+START_TIMEOUT_S = 240.0  # two workers load tokenizer + SNAC on 2 busy cores
+MAX_PEERS = 16  # connect until both workers hold sessions (the kernel spreads connections by hash)
+
+
+class Workers:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, sockets: Path, log: Path) -> None:
+        self.proc, self.port, self.sockets, self.log = proc, port, sockets, log
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if "gateway.workers" in " ".join(p.cmdline())]
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    async def wait_all_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Each worker's own Unix socket answers /readyz with 200."""
+        deadline = time.monotonic() + timeout
+        for index in range(WORKERS):
+            path = socket_path(self.sockets, index)
+            while True:
+                assert self.proc.poll() is None, f"supervisor exited:\n{self.log_tail()}"
+                assert time.monotonic() < deadline, f"worker {index} not ready:\n{self.log_tail()}"
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as http, \
+                            http.get("http://worker/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.5)
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+async def workers(vllm_server: VllmServer, tiny_model_dir: Path, tiny_snac_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Workers]:
+    root = tmp_path_factory.mktemp("workers")
+    sockets = root / "sockets"
+    sockets.mkdir()
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway", "serve", "--workers", str(WORKERS), "--vllm-url", vllm_server.url,
+           "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny_model_dir),
+           "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--max-tokens", str(TEST_MAX_TOKENS),
+           "--jitter-buffer-ms", "0", "--log-level", "warning"]
+    log = root / "serve.log"
+    proc = _start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log)
+    running = Workers(proc, port, sockets, log)
+    try:
+        await running.wait_all_ready()
+        yield running
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def _delete(http: aiohttp.ClientSession, url: str, session_id: str) -> tuple[int, dict[str, str]]:
+    async with http.delete(f"{url}/v1/webrtc/sessions/{session_id}") as resp:
+        await resp.read()
+        return resp.status, dict(resp.headers)
+
+
+async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(workers: Workers) -> None:
+    peers: list[HeadlessPeer] = []
+    try:
+        while len({p.session_id[:3] for p in peers if p.session_id}) < WORKERS and len(peers) < MAX_PEERS:
+            peer = HeadlessPeer(workers.url, jitter_buffer_ms=0)
+            peers.append(peer)
+            await peer.connect(timeout=60)
+        owners = {p.session_id.split("-")[0] for p in peers if p.session_id}
+        assert owners == {"w0", "w1"}, f"sessions all on {owners} after {len(peers)} peers"
+
+        for i, peer in enumerate(peers):
+            peer.speak(f"s{i}", "Good morning.")
+        for i, peer in enumerate(peers):
+            done = await peer.wait_event("done", f"s{i}", timeout=120)
+            assert done["audio_ms"] > 0
+            assert peer.audible_frames(), f"peer {i} heard nothing"
+
+        # A session of worker 1 ended through worker 0's own socket: passed on to worker 1.
+        w1_session = next(p.session_id for p in peers if p.session_id and p.session_id.startswith("w1-"))
+        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
+        async with aiohttp.ClientSession(connector=connector) as http:
+            status, headers = await _delete(http, "http://worker", w1_session)
+            assert (status, headers[WORKER_HEADER], headers[FORWARDED_HEADER]) == (204, "w1", "w0")
+            again, _ = await _delete(http, "http://worker", w1_session)
+            assert again == 404
+            unknown, _ = await _delete(http, "http://worker", "w7-0123abcd")  # no such worker
+            assert unknown == 404
+        async with aiohttp.ClientSession() as http:  # the rest through the public port, wherever they land
+            for peer in peers:
+                if peer.session_id != w1_session:
+                    status, _ = await _delete(http, workers.url, peer.session_id or "")
+                    assert status == 204
+    finally:
+        await asyncio.gather(*(p.close() for p in peers), return_exceptions=True)
+
+
+async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
+    before = workers.worker_pids()
+    assert len(before) == WORKERS
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while len(set(workers.worker_pids()) - set(before)) < 1:
+        assert time.monotonic() < deadline, f"no new worker:\n{workers.log_tail()}"
+        await asyncio.sleep(0.5)
+    await workers.wait_all_ready()
+    async with aiohttp.ClientSession() as http, http.get(f"{workers.url}/readyz") as resp:
+        assert resp.status == 200
+
+
+async def test_sigterm_stops_the_supervisor_and_its_workers(workers: Workers) -> None:
+    pids = workers.worker_pids()
+    workers.proc.send_signal(signal.SIGTERM)
+    assert workers.proc.wait(timeout=60) == 0
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not list(workers.sockets.iterdir())
