@@ -21,7 +21,8 @@ from gateway.config import GatewayConfig, from_sources
 
 # Fastest start on a 2-core CPU (as tests/conftest.py's tiny_config).
 TINY_ENGINE: dict[str, Any] = dict(
-    snac_device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=64, dtype="float32")
+    snac_device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=64, dtype="float32",
+    warmup_batch_sizes=[2])
 TINY_KV_CACHE_GIB = "1"  # vLLM CPU reserves 4 GiB of KV cache by default; the tiny model needs far less
 RANDOM_SHAPE = "orpheus-3b"
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

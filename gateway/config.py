@@ -55,6 +55,9 @@ class GatewayConfig:
     seed: int | None = _opt(None, "Sampling seed (tests); None = random.")
     engine_restart_delay_s: float = _opt(1.0, "Pause before restarting a dead engine.")
     engine_health_interval_s: float = _opt(2.0, "How often the engine's health is checked.")
+    warmup_batch_sizes: list[int] = _opt([1, 2, 4, 8, 16, 32, 64, 128, 256], "In-process engine: bursts of this "  # noqa: RUF009
+                                         "many short requests run before it is ready, so no user waits for a "
+                                         "first-use compile at a new batch size (repeatable; 0 = skip).")
     # --- remote engines (`vllm serve`) ------------------------------------------------------------
     vllm_urls: tuple[str, ...] = _opt((), "Base URL of a `vllm serve` server, e.g. http://gpu1:8001 (repeatable). "
                                       "Set: tokens come from these servers (least-loaded, with failover) and no "
@@ -212,6 +215,7 @@ def validate(config: GatewayConfig) -> None:
     checks = [
         (config.max_tokens >= 7, "max_tokens must be at least 7 (one SNAC frame)"),
         (config.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+        (all(n >= 0 for n in config.warmup_batch_sizes), "warmup_batch_sizes must be >= 0 (0 = skip)"),
         (0 <= config.jitter_buffer_ms <= 5000, "jitter_buffer_ms must be within 0..5000"),
         (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),

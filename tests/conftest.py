@@ -48,7 +48,7 @@ def tiny_config(model_dir: Path, snac_dir: Path, **overrides: object) -> Gateway
     values: dict[str, object] = dict(
         model=str(model_dir), snac_model=str(snac_dir), snac_device="cpu", enforce_eager=True,
         max_model_len=1024, max_num_seqs=32, max_tokens=TEST_MAX_TOKENS, engine_health_interval_s=0.5,
-        engine_restart_delay_s=0.2, gc_freeze=False, dtype="float32",
+        engine_restart_delay_s=0.2, gc_freeze=False, dtype="float32", warmup_batch_sizes=[2],
     )
     values.update(overrides)
     return from_sources(env={}, **values)

@@ -25,6 +25,12 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[
         await asyncio.sleep(0.05)
 
 
+async def test_engine_warmed_up_before_ready(synthesizer: Synthesizer) -> None:
+    """The start-up bursts ran (tests use one burst of 2) and left nothing behind in the engine."""
+    assert synthesizer.engine.warmed_up == [2]
+    assert synthesizer.engine.unfinished_requests() == 0
+
+
 async def test_engine_emits_audio_tokens_in_slot_order(synthesizer: Synthesizer) -> None:
     prompt = build_prompt(synthesizer.tokenizer, "tara", "Hello.")
     ids: list[int] = []
