@@ -122,3 +122,14 @@ async def test_webrtc_level_with_client_processes(synthesizer: Synthesizer, test
     assert sorted(r["user"] for r in point["requests"]) == [0, 1, 2]
     _check_point(point, "webrtc", users=3)
     assert point["pipeline"]["cpu_s"]["client_processes"] > 0
+
+
+def test_opus_cpu_bench_writes_both_paths(tmp_path: Path) -> None:
+    from bench.opus_cpu import main
+
+    out = tmp_path / "opus.json"
+    assert main(["--frames", "20", "--peers", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["content"], r["path"].split(",")[0]) for r in rows] == [
+        ("speech", "aiortc"), ("speech", "gateway"), ("silence", "aiortc"), ("silence", "gateway")]
+    assert all(r["cpu_ms_per_frame"] >= 0 for r in rows)
