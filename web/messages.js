@@ -31,6 +31,13 @@ export function eventErrorMessage({ code, message }) {
     case 'empty_text': return 'There is nothing to say yet: type a sentence first.';
     case 'engine_unavailable': return 'The tutor’s voice is not ready right now. Please try again in a moment.';
     case 'idle_timeout': return 'The lesson was closed after a long pause. Press Connect to continue.';
+    case 'heartbeat_timeout': return 'The connection to the tutor was lost. Press Connect to continue.';
+    case 'session_time_limit': return 'This lesson reached its time limit. Press Connect to start a new one.';
+    case 'rate_limited': return 'That was a lot at once: please wait a second between sentences.';
+    case 'at_capacity': return 'The teacher is busy (server at capacity). Please try again in a moment.';
+    case 'engine_dead': return 'The tutor’s voice stopped and is restarting. Please say that again in a moment.';
+    case 'engine_rejected': return 'The tutor could not say that sentence. Please try a shorter one.';
+    case 'shutting_down': return 'The tutor is restarting for maintenance. Press Connect again in a minute.';
     default: return `The tutor could not do that: ${message}`;
   }
 }
