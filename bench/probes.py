@@ -35,6 +35,8 @@ class CpuSnapshot:
     clients_s: dict[int, float]  # benchmark client processes: not the gateway's CPU
     snac_batches: int
     snac_windows: int
+    snac_frames: int  # new audio frames
+    snac_window_frames: int  # frames run through SNAC (context and lookahead included)
     snac_busy_s: float
 
 
@@ -59,7 +61,7 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = ()) -> CpuSnapshot
             (clients if child.pid in client_pids else children)[child.pid] = times.user + times.system
     stats = decoder.stats
     return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
-                       stats.batches, stats.windows, stats.busy_s)
+                       stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s)
 
 
 def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
@@ -69,6 +71,8 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
     clients = sum(after.clients_s[pid] - before.clients_s.get(pid, 0.0) for pid in after.clients_s)
     batches = after.snac_batches - before.snac_batches
     windows = after.snac_windows - before.snac_windows
+    frames = after.snac_frames - before.snac_frames
+    window_frames = after.snac_window_frames - before.snac_window_frames
     busy = after.snac_busy_s - before.snac_busy_s
     return {
         "wall_s": round(wall, 3),
@@ -86,6 +90,11 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "busy_s": round(busy, 3),
             "busy_share": round(busy / wall, 3) if wall > 0 else None,
             "ms_per_batch": round(busy / batches * MS, 2) if batches else None,
+            "new_frames": frames,
+            "window_frames": window_frames,
+            # recomputation: 3.0 for 1-frame hops with 1 frame of context and lookahead, 1.5 at a hop of 4
+            "frames_per_new_frame": round(window_frames / frames, 3) if frames else None,
+            "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },
     }
 

@@ -110,6 +110,7 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("SNAC batches", _fixed(0, "pipeline", "snac", "batches")),
         ("mean batch", _fixed(1, "pipeline", "snac", "mean_batch")),
         ("ms/batch", _fixed(0, "pipeline", "snac", "ms_per_batch")),
+        ("frames/new frame", _fixed(2, "pipeline", "snac", "frames_per_new_frame")),
         ("generation done p50 ms", _ms("summary", "generated_ms", "p50")),
         ("loop lag p95 ms", _fixed(1, "pipeline", "loop_lag_ms", "p95")),
         ("loop lag max ms", _fixed(1, "pipeline", "loop_lag_ms", "max")),

@@ -5,8 +5,13 @@ window of `context` frames before and `lookahead` frames after the `hop` frames 
 samples of those `hop` frames. The first window has no left context and the last no right context, so the
 first and the last frame of an utterance are emitted too (the reference decoder loses both).
 
+`StreamWindower` cuts the windows. A stream keeps one decode round in flight; frames that arrive meanwhile
+go into its next window, so windows emit one frame at light load and up to `max_hop` under load (adaptive
+hop: less recomputation per new frame, fewer and larger batches exactly when the decoder is busy).
+
 `DecodeBatcher` runs the model in one worker thread: whatever windows are waiting when it becomes free are
-stacked, grouped by length, and decoded in one pass per length. The event loop only awaits futures.
+stacked, grouped by length, and decoded in one pass per length, shortest first. The event loop only awaits
+futures.
 """
 
 from __future__ import annotations
@@ -43,12 +48,21 @@ class DecodeWindow:
 
 
 class StreamWindower:
-    """Per-stream sliding-window state: frames in, decode windows out."""
+    """Per-stream window boundaries: `push` stores frames, `take` cuts the next decode window.
 
-    def __init__(self, context: int = 1, lookahead: int = 1, hop: int = 1) -> None:
+    The caller takes a window when the stream's previous decode has come back, so the window covers every
+    frame that arrived meanwhile (adaptive hop): at light load the decoder returns within a frame time and
+    windows emit `hop` frames; under load they grow up to `max_hop`, which decodes fewer, longer windows
+    (less recomputed context per new frame, fewer and larger batches). The first window emits as soon as
+    `lookahead` frames follow its first frame; the final ones (`final=True`) emit the rest, the last frame
+    included. Every frame is emitted exactly once, in order.
+    """
+
+    def __init__(self, context: int = 1, lookahead: int = 1, hop: int = 1, max_hop: int | None = None) -> None:
         self.context = context
         self.lookahead = lookahead
         self.hop = hop
+        self.max_hop = max(hop, hop if max_hop is None else max_hop)
         self._frames: list[Frame] = []
         self._offset = 0  # absolute index of self._frames[0]
         self.emitted = 0  # frames whose audio has been handed out
@@ -57,27 +71,55 @@ class StreamWindower:
     def received(self) -> int:
         return self._offset + len(self._frames)
 
-    def push(self, frames: Sequence[Frame], final: bool = False) -> list[DecodeWindow]:
+    def push(self, frames: Sequence[Frame]) -> None:
         self._frames.extend(frames)
-        windows: list[DecodeWindow] = []
-        while True:
-            ready = self.received - self.emitted - (0 if final else self.lookahead)
-            if ready <= 0:
-                break
-            if ready >= self.hop:
-                count = self.hop
-            elif final or self.emitted == 0:
-                count = ready  # first audio as soon as possible; the tail at the end
-            else:
-                break
-            windows.append(self._window(count))
-            self.emitted += count
+
+    def ready(self, final: bool = False) -> int:
+        """Frames a window could emit now (before `final`, the last `lookahead` frames wait for their right
+        context)."""
+        return max(0, self.received - self.emitted - (0 if final else self.lookahead))
+
+    def take(self, final: bool = False) -> DecodeWindow | None:
+        """The next window: up to `max_hop` ready frames, or None while fewer than `hop` are ready (the first
+        window and the final ones go with fewer: first audio as soon as possible, then the tail)."""
+        ready = self.ready(final)
+        if ready <= 0:
+            return None
+        if final:
+            count = min(ready, self.max_hop)
+        elif self.emitted == 0:
+            count = min(ready, self.hop)
+        elif ready >= self.hop:
+            count = min(ready, self.max_hop)
+        else:
+            return None
+        window = self._window(count)
+        self.emitted += count
         # Keep only the left context the next window needs.
         drop = max(0, self.emitted - self.context - self._offset)
         if drop:
             del self._frames[:drop]
             self._offset += drop
+        return window
+
+    def take_round(self, final: bool = False) -> list[DecodeWindow]:
+        """The windows of one decode round: normally one (or none). A stream more than `max_hop` frames
+        behind catches up in whole `max_hop` windows (all of one length, so they share a batch); `final`
+        takes everything left."""
+        windows: list[DecodeWindow] = []
+        while (window := self.take(final)) is not None:
+            windows.append(window)
+            if not final and self.ready() < self.max_hop:
+                break
         return windows
+
+    def window_lengths(self) -> list[int]:
+        """The window lengths a stream uses (for CUDA graph capture): first windows, steady windows of
+        `hop`..`max_hop` new frames, and the last window of a sentence (no right context)."""
+        first = {count + self.lookahead for count in range(1, self.hop + 1)}
+        steady = {self.context + count + self.lookahead for count in range(self.hop, self.max_hop + 1)}
+        last = {self.context + count for count in range(1, self.max_hop + 1)}
+        return sorted(first | steady | last)
 
     def _window(self, count: int) -> DecodeWindow:
         start = max(self._offset, self.emitted - self.context)
@@ -97,13 +139,13 @@ class _GraphedDecoder:
     the next replay, so callers copy it out before decoding again (the worker thread does).
     """
 
-    def __init__(self, model: Any, device: str, frames: int, max_batch: int) -> None:
+    def __init__(self, model: Any, device: str, frames: int, max_batch: int, pool: Any = None) -> None:
         import torch
 
         self.frames = frames
         self.sizes = sorted({b for b in GRAPH_BATCH_BUCKETS if b < max_batch} | {max_batch})
         self._graphs: dict[int, tuple[Any, list[Any], Any]] = {}
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
                 codes = [torch.zeros((size, frames * k), dtype=torch.long, device=device) for k in (1, 2, 4)]
@@ -152,13 +194,20 @@ class SnacModel:
         return cls(model, device)
 
     def capture_graphs(self, window_lengths: Sequence[int], max_batch: int) -> None:
-        """CUDA-graph the window lengths streams use most (steady state, first window); GPU only."""
+        """CUDA-graph the window lengths streams use (`StreamWindower.window_lengths`); GPU only. Each length
+        costs one capture per batch bucket, so start-up grows with the number of lengths."""
         if not self.device.startswith("cuda"):
             return
+        import torch
+
         t0 = time.perf_counter()
+        # One memory pool for every length, longest first (as for batch sizes within a length): the pool is
+        # about the size of the longest window's largest batch, not the sum over lengths. Safe because the
+        # worker replays one graph at a time and copies its output out before the next replay.
+        pool = torch.cuda.graph_pool_handle()
         try:
-            for frames in sorted(set(window_lengths)):
-                self._graphed.append(_GraphedDecoder(self.model, self.device, frames, max_batch))
+            for frames in sorted(set(window_lengths), reverse=True):
+                self._graphed.append(_GraphedDecoder(self.model, self.device, frames, max_batch, pool))
         except Exception:  # an eager decoder is slower, never wrong
             log.exception("SNAC CUDA graph capture failed; decoding eagerly")
             self._graphed.clear()
@@ -194,6 +243,8 @@ class _Job:
 class DecodeStats:
     batches: int = 0
     windows: int = 0
+    frames: int = 0  # new audio frames emitted
+    window_frames: int = 0  # frames run through SNAC, context and lookahead included (>= frames)
     last_batch_size: int = 0
     busy_s: float = 0.0
 
@@ -202,27 +253,41 @@ class DecodeBatcher:
     """One worker thread decodes the waiting windows of all streams together.
 
     Batching is natural: while a pass runs, new windows queue up, and the next pass takes them all (up to
-    `max_batch`). `on_batch(size, seconds)` is called from the worker after each pass (metrics).
+    `max_batch`). `on_batch(windows, seconds, window_length, new_frames)` is called from the worker after
+    each pass (metrics).
     """
 
     def __init__(self, model: SnacModel, max_batch: int = 256,
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+                 on_batch: Callable[[int, float, int, int], None] | None = None) -> None:
         self.model = model
         self.max_batch = max_batch
         self.stats = DecodeStats()
         self.on_batch = on_batch
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[_Job] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="snac-decoder", daemon=True)
         self._closed = False
         self._thread.start()
 
     async def decode(self, window: DecodeWindow) -> np.ndarray:
+        return (await self.decode_many([window]))[0]
+
+    async def decode_many(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
+        """The PCM of each window, in order; the windows are queued together, so they share a pass."""
         if self._closed:
             raise RuntimeError("decoder is closed")
+        if not windows:
+            return []
         loop = asyncio.get_running_loop()
-        job = _Job(window, loop.create_future(), loop)
-        self._queue.put(job)
-        return await job.future
+        jobs = [_Job(w, loop.create_future(), loop) for w in windows]
+        self._queue.put(jobs)
+        try:
+            return [await job.future for job in jobs]
+        finally:
+            for job in jobs:  # cancelled or failed: the worker skips what is still queued
+                if not job.future.done():
+                    job.future.cancel()
+                elif not job.future.cancelled():
+                    job.future.exception()  # retrieved: a failed batch is reported once, not at garbage collection
 
     def close(self) -> None:
         self._closed = True
@@ -230,20 +295,25 @@ class DecodeBatcher:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        carried: list[_Job] | None = None
         while True:
-            first = self._queue.get()
+            first = carried if carried is not None else self._queue.get()
+            carried = None
             if first is None:
                 return
-            jobs = [first]
+            jobs = list(first)
             while len(jobs) < self.max_batch:
                 try:
-                    job = self._queue.get_nowait()
+                    more = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if job is None:
+                if more is None:
                     self._decode_all(jobs)
                     return
-                jobs.append(job)
+                if len(jobs) + len(more) > self.max_batch:
+                    carried = more  # one stream's windows stay together, in the next pass
+                    break
+                jobs += more
             self._decode_all(jobs)
 
     def _decode_all(self, jobs: list[_Job]) -> None:
@@ -251,23 +321,33 @@ class DecodeBatcher:
         for job in jobs:
             if not job.future.cancelled():
                 by_length.setdefault(job.window.length, []).append(job)
-        for group in by_length.values():
-            t0 = time.perf_counter()
-            try:
-                results: list[Any] = self.model.decode([j.window for j in group])
-                error: BaseException | None = None
-            except Exception as exc:  # one bad batch fails its utterances, not the worker
-                log.exception("SNAC decode failed for a batch of %d", len(group))
-                results, error = [None] * len(group), exc
-            elapsed = time.perf_counter() - t0
-            self.stats.batches += 1
-            self.stats.windows += len(group)
-            self.stats.last_batch_size = len(group)
-            self.stats.busy_s += elapsed
-            if self.on_batch is not None:
-                self.on_batch(len(group), elapsed)
-            for job, result in zip(group, results, strict=True):
-                job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
+        # Shortest windows first: a stream's first window (no left context) is the shortest, and first audio
+        # waits for nothing but it; short passes first also make the mean wait shorter.
+        for length, same in sorted(by_length.items()):
+            for at in range(0, len(same), self.max_batch):
+                self._decode_group(length, same[at:at + self.max_batch])
+
+    def _decode_group(self, length: int, group: list[_Job]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results: list[Any] = self.model.decode([j.window for j in group])
+            error: BaseException | None = None
+        except Exception as exc:  # one bad batch fails its utterances, not the worker
+            log.exception("SNAC decode failed for a batch of %d", len(group))
+            results, error = [None] * len(group), exc
+        elapsed = time.perf_counter() - t0
+        new_frames = sum(j.window.keep_count for j in group)
+        stats = self.stats
+        stats.batches += 1
+        stats.windows += len(group)
+        stats.frames += new_frames
+        stats.window_frames += length * len(group)
+        stats.last_batch_size = len(group)
+        stats.busy_s += elapsed
+        if self.on_batch is not None:
+            self.on_batch(len(group), elapsed, length, new_frames)
+        for job, result in zip(group, results, strict=True):
+            job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
 
 
 def _resolve(future: asyncio.Future[np.ndarray], result: np.ndarray | None, error: BaseException | None) -> None:

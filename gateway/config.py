@@ -73,7 +73,10 @@ class GatewayConfig:
     snac_device: str = _opt("auto", "Device for SNAC decoding: auto (cuda if present), cpu, cuda, cuda:N.")
     decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
-    decode_hop_frames: int = _opt(1, "New frames emitted per decode window once streaming.")
+    decode_hop_frames: int = _opt(1, "Fewest new frames a decode window emits once streaming (the hop at light load).")
+    decode_max_hop_frames: int = _opt(4, "Most new frames a decode window emits: a stream's next window covers every "
+                                      "frame that arrived while its last decode ran, up to this (adaptive hop; "
+                                      "1 = always one). Raised to decode_hop_frames if lower.")
     decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
     # --- text -------------------------------------------------------------------------------------
@@ -220,6 +223,7 @@ def validate(config: GatewayConfig) -> None:
         (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
         (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
+        (config.decode_max_hop_frames >= 1, "decode_max_hop_frames must be >= 1"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
         (config.stream_interval >= 1, "stream_interval must be >= 1"),
         (config.temperature >= 0, "temperature must be >= 0"),

@@ -46,14 +46,21 @@ class Metrics:
                                          buckets=BATCH_BUCKETS, registry=r)
         self.snac_batch_seconds = Histogram("orpheus_snac_batch_seconds", "Duration of one SNAC pass.",
                                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.snac_windows_total = Counter("orpheus_snac_windows_total", "Windows SNAC decoded, by window length "
+                                          "in frames (adaptive hop: longer under load).", ["frames"], registry=r)
+        self.snac_new_frames_total = Counter("orpheus_snac_new_frames_total", "Audio frames SNAC emitted; frames "
+                                             "decoded (sum of windows x length) / this = recomputation.", registry=r)
         self.tokens_total = Counter("orpheus_audio_tokens_total", "Tokens generated (rate = tokens/s).",
                                     registry=r)
         self.audio_seconds_total = Counter("orpheus_audio_seconds_total", "Audio produced.", registry=r)
 
-    def observe_decode_batch(self, size: int, seconds: float) -> None:
-        """Called from the SNAC worker thread; prometheus-client metrics are thread safe."""
+    def observe_decode_batch(self, size: int, seconds: float, window_frames: int, new_frames: int) -> None:
+        """Called from the SNAC worker thread after each pass (`size` windows of `window_frames` frames each);
+        prometheus-client metrics are thread safe."""
         self.snac_batch_size.observe(size)
         self.snac_batch_seconds.observe(seconds)
+        self.snac_windows_total.labels(frames=str(window_frames)).inc(size)
+        self.snac_new_frames_total.inc(new_frames)
 
     def track_in_flight(self, read: Callable[[], float]) -> None:
         self.engine_in_flight.set_function(read)

@@ -99,9 +99,7 @@ class Synthesizer:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         snac = SnacModel.load(config.snac_model, config.snac_device)
         if config.snac_cuda_graphs:
-            lookahead, context = config.decode_lookahead_frames, config.decode_context_frames
-            snac.capture_graphs([1 + lookahead, context + config.decode_hop_frames + lookahead],
-                                config.decode_max_batch)
+            snac.capture_graphs(_windower(config).window_lengths(), config.decode_max_batch)
         decoder = DecodeBatcher(snac, config.decode_max_batch)
         engine: EngineBase
         if config.vllm_urls:
@@ -200,32 +198,38 @@ class Synthesizer:
 
     async def _sentence(self, index: int, sentence: str, voice: str, max_tokens: int | None, seed: int | None,
                         stats: UtteranceStats, chunks: asyncio.Queue[Any], generated: asyncio.Event) -> None:
-        """Generate, parse and decode one sentence into `chunks`; set `generated` when the engine is done."""
-        cfg = self.config
+        """Generate, parse and decode one sentence into `chunks`; set `generated` when the engine is done.
+
+        Generation runs here; decoding runs beside it in `_decode`, one round in flight at a time.
+        """
         parser = AudioTokenParser()
-        windower = StreamWindower(cfg.decode_context_frames, cfg.decode_lookahead_frames, cfg.decode_hop_frames)
-        first = True
-        decodes: list[asyncio.Future[np.ndarray]] = []
+        windower = _windower(self.config)
+        arrived, ended = asyncio.Event(), asyncio.Event()
+        decoding = asyncio.create_task(self._decode(windower, arrived, ended, index, sentence, stats, chunks))
         try:
             prompt = build_prompt(self.tokenizer, voice, sentence)
-            async for token_ids in self.engine.generate(prompt, max_tokens=max_tokens, seed=seed):
-                if stats.first_token_at is None:
-                    stats.first_token_at = time.monotonic()
-                stats.tokens += len(token_ids)
-                frames = parser.feed(token_ids)
-                # Windows are decoded concurrently with generation; results are queued in order below.
-                decodes += [asyncio.ensure_future(self.decoder.decode(w)) for w in windower.push(frames)]
-                while decodes and decodes[0].done():
-                    first = self._put(chunks, decodes.pop(0).result(), index, sentence, first, stats, last=False)
+            async with contextlib.aclosing(self.engine.generate(prompt, max_tokens=max_tokens, seed=seed)) as ids:
+                async for token_ids in ids:
+                    if stats.first_token_at is None:
+                        stats.first_token_at = time.monotonic()
+                    stats.tokens += len(token_ids)
+                    frames = parser.feed(token_ids)
+                    if frames:
+                        windower.push(frames)
+                        arrived.set()
+                    if decoding.done():  # a decode failed: stop generating (awaiting it below raises the error)
+                        break
             generated.set()
             parser.finish()
-            decodes += [asyncio.ensure_future(self.decoder.decode(w)) for w in windower.push([], final=True)]
-            for i, fut in enumerate(decodes):
-                first = self._put(chunks, await fut, index, sentence, first, stats, last=i == len(decodes) - 1)
+            ended.set()
+            arrived.set()
+            await decoding
         except BaseException as exc:
             generated.set()
-            for fut in decodes:
-                fut.cancel()
+            decoding.cancel()
+            await asyncio.wait([decoding])  # leave no task behind; a second cancel still propagates
+            if not decoding.cancelled():
+                decoding.exception()  # retrieved: the error that matters is `exc`
             if not isinstance(exc, asyncio.CancelledError):
                 chunks.put_nowait(exc)
             raise
@@ -234,6 +238,26 @@ class Synthesizer:
             stats.ignored_ids += parser.stats.ignored_ids
             stats.dropped_tokens += parser.stats.dropped_tokens
             chunks.put_nowait(_END)
+
+    async def _decode(self, windower: StreamWindower, arrived: asyncio.Event, ended: asyncio.Event, index: int,
+                      sentence: str, stats: UtteranceStats, chunks: asyncio.Queue[Any]) -> None:
+        """Decode one sentence's frames into `chunks`, in order, with one decode round in flight: the frames
+        that arrive meanwhile go into the next window (adaptive hop). Wakes on `arrived`; ends after the final
+        windows once `ended` is set."""
+        first = True
+        while True:
+            final = ended.is_set()
+            windows = windower.take_round(final)
+            if not windows:
+                if final:
+                    return
+                arrived.clear()
+                await arrived.wait()
+                continue
+            pcm = await self.decoder.decode_many(windows)
+            last = final and windower.ready(final=True) == 0
+            for i, samples in enumerate(pcm):
+                first = self._put(chunks, samples, index, sentence, first, stats, last=last and i == len(pcm) - 1)
 
     def _put(self, chunks: asyncio.Queue[Any], pcm: np.ndarray, index: int, sentence: str, first: bool,
              stats: UtteranceStats, last: bool) -> bool:
@@ -252,6 +276,11 @@ class Synthesizer:
         stats.samples += len(pcm)
         chunks.put_nowait(AudioChunk(pcm, index, sentence, first))
         return False
+
+
+def _windower(config: GatewayConfig) -> StreamWindower:
+    return StreamWindower(config.decode_context_frames, config.decode_lookahead_frames, config.decode_hop_frames,
+                          config.decode_max_hop_frames)
 
 
 async def _aiter(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from gateway.codec import DecodeBatcher, SnacModel, StreamWindower
+from gateway.codec import DecodeBatcher, DecodeWindow, SnacModel, StreamWindower
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
+
+FAST = settings(deadline=None, database=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 
 
 def make_frames(n: int, seed: int = 0) -> list[Frame]:
@@ -17,36 +21,181 @@ def make_frames(n: int, seed: int = 0) -> list[Frame]:
     return [tuple(int(c) for c in rng.integers(0, 4096, 7)) for _ in range(n)]  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(("context", "lookahead", "hop"), [(1, 1, 1), (2, 2, 1), (1, 2, 4), (0, 0, 1), (2, 1, 3)])
+def kept(window: DecodeWindow) -> tuple[Frame, ...]:
+    return window.frames[window.keep_from:window.keep_from + window.keep_count]
+
+
+def take_all(windower: StreamWindower, final: bool = False) -> list[DecodeWindow]:
+    windows: list[DecodeWindow] = []
+    while (window := windower.take(final)) is not None:
+        windows.append(window)
+    return windows
+
+
+def first_window(frames: list[Frame], context: int = 1, lookahead: int = 1) -> DecodeWindow:
+    windower = StreamWindower(context, lookahead)
+    windower.push(frames)
+    window = windower.take(final=len(frames) <= lookahead)
+    assert window is not None
+    return window
+
+
+@pytest.mark.parametrize(("context", "lookahead", "hop", "max_hop"),
+                         [(1, 1, 1, 1), (1, 1, 1, 4), (2, 2, 1, 3), (1, 2, 4, 4), (0, 0, 1, 2), (2, 1, 3, 5)])
 @pytest.mark.parametrize("n", [1, 2, 3, 9])
-def test_windows_cover_every_frame_once(context: int, lookahead: int, hop: int, n: int) -> None:
-    """First and last frames included, no frame twice, whatever sizes the frames arrive in."""
-    windower = StreamWindower(context, lookahead, hop)
+def test_windows_cover_every_frame_once(context: int, lookahead: int, hop: int, max_hop: int, n: int) -> None:
+    """First and last frames included, no frame twice, when every frame is taken as soon as it arrives."""
+    windower = StreamWindower(context, lookahead, hop, max_hop)
     frames = make_frames(n)
     emitted: list[Frame] = []
     for i, frame in enumerate(frames):
-        for w in windower.push([frame]):
-            assert w.length <= context + hop + lookahead
-            emitted += w.frames[w.keep_from:w.keep_from + w.keep_count]
+        windower.push([frame])
+        for w in take_all(windower):
+            assert w.length <= context + max_hop + lookahead
+            emitted += kept(w)
         if i == 0 and lookahead == 0:
             assert emitted, "with no lookahead the first frame is emitted at once"
-    for w in windower.push([], final=True):
-        emitted += w.frames[w.keep_from:w.keep_from + w.keep_count]
+    for w in take_all(windower, final=True):
+        emitted += kept(w)
     assert emitted == frames
 
 
+# One stream's life: frames arrive in bursts of any size, the decoder comes back (a round is taken) at any time.
+arrivals = st.lists(st.tuples(st.integers(0, 6), st.booleans()), max_size=25)
+
+
+@FAST
+@given(context=st.integers(0, 2), lookahead=st.integers(0, 2), hop=st.integers(1, 3), extra=st.integers(0, 3),
+       ops=arrivals, rounds=st.booleans())
+def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int, hop: int, extra: int,
+                                                     ops: list[tuple[int, bool]], rounds: bool) -> None:
+    max_hop = hop + extra
+    windower = StreamWindower(context, lookahead, hop, max_hop)
+    frames = make_frames(sum(k for k, _ in ops), seed=len(ops))
+    lengths = set(windower.window_lengths())
+    pushed = 0
+    emitted: list[Frame] = []
+
+    def check(window: DecodeWindow, final: bool) -> None:
+        before = len(emitted)
+        assert 1 <= window.keep_count <= max_hop
+        assert window.keep_from == min(context, before), "full left context once there is one"
+        assert window.frames == tuple(frames[before - window.keep_from:before - window.keep_from + window.length])
+        if not final:
+            assert window.length - window.keep_from - window.keep_count == lookahead, "right context waited for"
+            if before > 0:
+                assert window.keep_count >= hop
+            if before == 0 or before >= context:
+                assert window.length in lengths, "a length CUDA graphs are captured for"
+        emitted.extend(kept(window))
+
+    for count, take in ops:
+        windower.push(frames[pushed:pushed + count])
+        pushed += count
+        if take:
+            taken = windower.take_round() if rounds else [w for w in [windower.take()] if w is not None]
+            for w in taken:
+                check(w, final=False)
+            if rounds and taken:
+                assert windower.ready() < max_hop, "a round leaves less than max_hop frames behind"
+    for w in windower.take_round(final=True):
+        check(w, final=True)
+    assert emitted == frames
+    assert windower.take(final=True) is None
+
+
 def test_first_audio_waits_only_for_lookahead() -> None:
-    windower = StreamWindower(context=1, lookahead=1, hop=4)
-    assert windower.push(make_frames(1)) == []
-    first = windower.push(make_frames(1, seed=1))
-    assert len(first) == 1 and first[0].keep_count == 1 and first[0].keep_from == 0
+    windower = StreamWindower(context=1, lookahead=1, hop=4, max_hop=4)
+    windower.push(make_frames(1))
+    assert windower.take() is None
+    windower.push(make_frames(1, seed=1))
+    first = windower.take()
+    assert first is not None and first.keep_count == 1 and first.keep_from == 0
+
+
+def test_first_window_is_small_even_with_a_backlog() -> None:
+    """First audio as soon as possible: the first window emits `hop` frames, however many are waiting."""
+    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4)
+    windower.push(make_frames(4))
+    first = windower.take()
+    assert first is not None and (first.keep_count, first.length) == (1, 2)
 
 
 def test_steady_windows_have_equal_length() -> None:
     """Equal lengths are what lets the decoder stack windows of different streams into one batch."""
-    windower = StreamWindower(context=1, lookahead=1, hop=1)
-    lengths = [w.length for f in make_frames(20) for w in windower.push([f])]
-    assert set(lengths[1:]) == {3}
+    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4)
+    lengths = []
+    for f in make_frames(20):
+        windower.push([f])
+        lengths += [w.length for w in take_all(windower)]
+    assert set(lengths[1:]) == {3}, "taken at once, the hop stays 1 (light load)"
+
+
+@pytest.mark.parametrize("every", [2, 3, 4, 6])
+def test_hop_grows_when_takes_are_delayed(every: int) -> None:
+    """A busy decoder comes back every few frames: the next window covers all of them, up to max_hop."""
+    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4)
+    frames = make_frames(40)
+    windower.push(frames[:2])
+    assert windower.take() is not None  # the first window, at once
+    hops, lengths = [], []
+    for i in range(2, 40):
+        windower.push([frames[i]])
+        if i % every == 0:
+            window = windower.take()
+            assert window is not None
+            hops.append(window.keep_count)
+            lengths.append(window.length)
+    assert set(hops[1:]) == {min(every, 4)}
+    assert set(lengths[1:]) == {2 + min(every, 4)}, "context + hop + lookahead"
+
+
+def test_max_hop_caps_windows_and_a_round_catches_up_in_whole_windows() -> None:
+    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4)
+    windower.push(make_frames(2))
+    assert windower.take() is not None
+    windower.push(make_frames(10, seed=1))  # 10 ready (the last frame waits for its lookahead)
+    round_ = windower.take_round()
+    assert [w.keep_count for w in round_] == [4, 4], "whole max_hop windows; 2 frames wait for the next round"
+    assert [w.length for w in round_] == [6, 6]
+    assert windower.ready() == 2
+    assert [w.keep_count for w in windower.take_round()] == [2]
+    assert windower.take_round() == []
+
+
+def test_min_hop_holds_windows_back_until_final() -> None:
+    windower = StreamWindower(context=1, lookahead=1, hop=3, max_hop=5)
+    windower.push(make_frames(2))
+    assert windower.take() is not None  # first window: 1 frame
+    windower.push(make_frames(2, seed=1))
+    assert windower.take() is None, "2 ready frames < hop 3"
+    windower.push(make_frames(1, seed=2))
+    window = windower.take()
+    assert window is not None and window.keep_count == 3
+    windower.push(make_frames(1, seed=3))
+    assert windower.take() is None
+    tail = windower.take_round(final=True)
+    assert [w.keep_count for w in tail] == [2], "the tail goes at the end, shorter than hop, last frame included"
+    assert tail[0].keep_from + tail[0].keep_count == tail[0].length, "no right context after the last frame"
+
+
+def test_final_flush_takes_the_rest_in_max_hop_windows() -> None:
+    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4)
+    frames = make_frames(11)
+    windower.push(frames)
+    emitted = list(kept(windower.take()))  # type: ignore[arg-type]
+    tail = windower.take_round(final=True)
+    assert [w.keep_count for w in tail] == [4, 4, 2]
+    emitted += [f for w in tail for f in kept(w)]
+    assert emitted == frames
+
+
+def test_window_lengths_for_graph_capture() -> None:
+    assert StreamWindower(1, 1, 1, 1).window_lengths() == [2, 3]
+    assert StreamWindower(1, 1, 1, 4).window_lengths() == [2, 3, 4, 5, 6]
+    assert StreamWindower(0, 0, 1, 2).window_lengths() == [1, 2]
+    assert StreamWindower(2, 1, 2, 3).window_lengths() == [2, 3, 4, 5, 6]
+    assert StreamWindower(1, 1, hop=3).max_hop == 3, "max_hop is at least hop"
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +208,9 @@ def snac(tmp_path_factory: pytest.TempPathFactory) -> SnacModel:
 
 def test_decode_batch_shapes(snac: SnacModel) -> None:
     windower = StreamWindower(1, 1, 1)
-    windows = windower.push(make_frames(4))
+    windower.push(make_frames(4))
+    windows = take_all(windower)
+    assert [w.length for w in windows] == [2, 3, 3]
     pcm = snac.decode(windows[1:3])
     assert [len(p) for p in pcm] == [SAMPLES_PER_FRAME, SAMPLES_PER_FRAME]
     assert all(p.dtype == np.int16 for p in pcm)
@@ -68,9 +219,9 @@ def test_decode_batch_shapes(snac: SnacModel) -> None:
 
 async def test_batcher_batches_concurrent_streams(snac: SnacModel) -> None:
     sizes: list[int] = []
-    batcher = DecodeBatcher(snac, max_batch=64, on_batch=lambda size, _s: sizes.append(size))
+    batcher = DecodeBatcher(snac, max_batch=64, on_batch=lambda size, _s, _length, _new: sizes.append(size))
     try:
-        windows = [StreamWindower(1, 1, 1).push(make_frames(3, seed=s))[0] for s in range(6)]
+        windows = [first_window(make_frames(3, seed=s)) for s in range(6)]
         results = await asyncio.gather(*(batcher.decode(w) for w in windows))
         assert all(len(r) == SAMPLES_PER_FRAME for r in results)
         assert max(sizes) > 1, "windows waiting together are decoded in one pass"
@@ -82,10 +233,62 @@ async def test_batcher_batches_concurrent_streams(snac: SnacModel) -> None:
 async def test_batcher_error_fails_only_that_batch(snac: SnacModel) -> None:
     batcher = DecodeBatcher(snac, max_batch=8)
     try:
-        bad = StreamWindower(0, 0, 1).push([(5000, 0, 0, 0, 0, 0, 0)])[0]  # code out of the codebook
+        bad = first_window([(5000, 0, 0, 0, 0, 0, 0)], 0, 0)  # code out of the codebook
         with pytest.raises(RuntimeError, match="audio decoding failed"):
             await batcher.decode(bad)
-        good = StreamWindower(0, 0, 1).push(make_frames(1))[0]
+        good = first_window(make_frames(1), 0, 0)
         assert len(await batcher.decode(good)) == SAMPLES_PER_FRAME
+    finally:
+        batcher.close()
+
+
+async def test_decode_many_keeps_order_and_counts_frames(snac: SnacModel) -> None:
+    """A round of one stream (windows of two lengths) comes back in order; the stats count new frames apart
+    from the frames decoded, whose ratio is the recomputation."""
+    passes: list[tuple[int, int, int]] = []
+    batcher = DecodeBatcher(snac, max_batch=64,
+                            on_batch=lambda size, _s, length, new: passes.append((size, length, new)))
+    try:
+        windower = StreamWindower(1, 1, 1, 4)
+        windower.push(make_frames(12))
+        windows = [windower.take(), *windower.take_round()]
+        assert [w.keep_count for w in windows] == [1, 4, 4]  # type: ignore[union-attr]
+        pcm = await batcher.decode_many(windows)  # type: ignore[arg-type]
+        assert [len(p) for p in pcm] == [SAMPLES_PER_FRAME, 4 * SAMPLES_PER_FRAME, 4 * SAMPLES_PER_FRAME]
+        assert len(await batcher.decode(windows[1])) == 4 * SAMPLES_PER_FRAME  # type: ignore[arg-type]
+        assert sorted(passes) == [(1, 2, 1), (1, 6, 4), (2, 6, 8)], "one pass per length"
+        stats = batcher.stats
+        assert (stats.windows, stats.frames, stats.window_frames) == (4, 13, 2 + 6 * 3)
+    finally:
+        batcher.close()
+
+
+async def test_cancelled_round_is_skipped(snac: SnacModel) -> None:
+    batcher = DecodeBatcher(snac, max_batch=8)
+    try:
+        windows = [first_window(make_frames(3, seed=s)) for s in range(3)]
+        task = asyncio.ensure_future(batcher.decode_many(windows))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(await batcher.decode(windows[0])) == SAMPLES_PER_FRAME, "the worker goes on"
+    finally:
+        batcher.close()
+
+
+def test_batcher_keeps_a_round_together_within_max_batch(snac: SnacModel) -> None:
+    """A pass never exceeds max_batch: a round that does not fit waits for the next pass."""
+    sizes: list[int] = []
+    batcher = DecodeBatcher(snac, max_batch=4, on_batch=lambda size, _s, _length, _new: sizes.append(size))
+
+    async def main() -> None:
+        rounds = [[first_window(make_frames(2, seed=10 * r + s), 1, 1) for s in range(3)] for r in range(3)]
+        results = await asyncio.gather(*(batcher.decode_many(r) for r in rounds))
+        assert [len(r) for r in results] == [3, 3, 3]
+
+    try:
+        asyncio.run(main())
+        assert sum(sizes) == 9 and max(sizes) <= 4
     finally:
         batcher.close()

@@ -558,7 +558,7 @@ async def test_snac_decode_failure_fails_that_utterance_only(
     decoder = synthesizer.decoder
     marked: list[DecodeWindow] = []  # held, so their ids stay unique while the test runs
     marked_ids: set[int] = set()
-    real_utterance, real_decode = synthesizer.utterance, decoder.decode
+    real_utterance, real_decode_many = synthesizer.utterance, decoder.decode_many
     real_decode_all, real_model_decode = decoder._decode_all, decoder.model.decode
 
     def utterance(text: Any, voice: str | None = None, **kw: Any) -> AsyncIterator[Any]:
@@ -569,11 +569,11 @@ async def test_snac_decode_failure_fails_that_utterance_only(
                     yield chunk
         return tagged()
 
-    async def decode(window: DecodeWindow) -> Any:
+    async def decode_many(windows: list[DecodeWindow]) -> Any:
         if FAULTY_UTTERANCE.get():
-            marked.append(window)
-            marked_ids.add(id(window))
-        return await real_decode(window)
+            marked.extend(windows)
+            marked_ids.update(id(w) for w in windows)
+        return await real_decode_many(windows)
 
     def model_decode(windows: list[DecodeWindow]) -> Any:
         if any(id(w) in marked_ids for w in windows):
@@ -589,7 +589,7 @@ async def test_snac_decode_failure_fails_that_utterance_only(
                 real_decode_all(group)
 
     monkeypatch.setattr(synthesizer, "utterance", utterance)
-    monkeypatch.setattr(decoder, "decode", decode)
+    monkeypatch.setattr(decoder, "decode_many", decode_many)
     monkeypatch.setattr(decoder, "_decode_all", decode_all)
     monkeypatch.setattr(decoder.model, "decode", model_decode)
     async with running(test_config, synthesizer) as (base, gateway):

@@ -121,4 +121,7 @@ async def test_metrics_exposes_speech_figures(client: TestClient) -> None:
     assert 'orpheus_speech_requests_total{status="200"}' in text
     count = next(line for line in text.splitlines() if line.startswith("orpheus_snac_batch_size_count"))
     assert float(count.split()[1]) > 0
+    new_frames = next(line for line in text.splitlines() if line.startswith("orpheus_snac_new_frames_total"))
+    assert float(new_frames.split()[1]) > 0
+    assert 'orpheus_snac_windows_total{frames="' in text
     assert "orpheus_engine_requests_in_flight 0.0" in text

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 
+from gateway.codec import DecodeWindow
 from gateway.engine import EngineDeadError, EngineState
 from gateway.orpheus import SAMPLES_PER_FRAME, build_prompt
 from gateway.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
@@ -104,6 +107,64 @@ async def test_cancelled_task_aborts_engine_request(synthesizer: Synthesizer) ->
     with pytest.raises(asyncio.CancelledError):
         await task
     assert synthesizer.engine.in_flight == 0
+    await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
+
+
+class SlowDecoder:
+    """The shared SNAC decoder with every round coming back late, as from a busy GPU; records each round."""
+
+    def __init__(self, decoder: Any, delay_s: float) -> None:
+        self.decoder = decoder
+        self.delay_s = delay_s
+        self.rounds: list[list[int]] = []  # new frames of each window, per round
+        self.in_flight = 0
+
+    async def decode_many(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
+        self.rounds.append([w.keep_count for w in windows])
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(self.delay_s)
+            return await self.decoder.decode_many(windows)
+        finally:
+            self.in_flight -= 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.decoder, name)
+
+
+def sentence_tasks() -> list[asyncio.Task[Any]]:
+    names = ("Synthesizer._sentence", "Synthesizer._decode", "Synthesizer._feed")
+    return [t for t in asyncio.all_tasks() if not t.done() and t.get_coro().__qualname__ in names]  # type: ignore[union-attr]
+
+
+async def test_adaptive_hop_emits_every_frame_once_and_cancels_cleanly(synthesizer: Synthesizer) -> None:
+    """A slow decoder: frames pile up during each round and the next window takes them all (up to max hop);
+    still exactly frames * 2048 samples, and a cancel mid-round leaves no task and no engine request behind."""
+    slow = SlowDecoder(synthesizer.decoder, delay_s=0.25)
+    synth = Synthesizer(synthesizer.config, synthesizer.engine, synthesizer.tokenizer, slow)  # type: ignore[arg-type]
+    max_hop = synth.config.decode_max_hop_frames
+    for seed in range(20, 40):  # the tiny model stops at random: find an utterance of some length
+        slow.rounds.clear()
+        stats = UtteranceStats()
+        pcm = [c.pcm async for c in synth.utterance("Hello there, slowly.", "tara", seed=seed, stats=stats)]
+        assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(p) for p in pcm)
+        hops = [h for r in slow.rounds for h in r]
+        assert sum(hops) == stats.frames, "every frame decoded exactly once"
+        assert max(hops) <= max_hop
+        if stats.frames >= 8:
+            break
+    assert stats.frames >= 8
+    assert hops[0] == 1, "first audio from a one-frame window"
+    assert max(hops) > 1, "windows grew while the decoder was busy"
+    assert sentence_tasks() == []
+
+    stream = synth.utterance("A long sentence that we will interrupt.", "tara", max_tokens=700, seed=11)
+    await anext(stream)
+    await wait_until(lambda: slow.in_flight == 1)  # a round is being decoded
+    await stream.aclose()
+    assert synthesizer.engine.in_flight == 0
+    assert sentence_tasks() == []
+    await wait_until(lambda: slow.in_flight == 0, timeout=2)
     await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
 
 
