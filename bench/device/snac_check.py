@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from gateway.codec import SnacModel, _GraphedDecoder
+from gateway.codec import SnacModel
 
-WINDOW_FRAMES = (2, 3)  # first window and steady-state window with the default context/lookahead/hop 1/1/1
+WINDOW_FRAMES = (2, 3, 4, 5, 6)  # every window length of the defaults: context 1, lookahead 1, hop 1..4
 CHECK_BATCHES = (1, 5, 64, 200, 256)
 TIME_BATCHES = (1, 16, 64, 128, 256)
 MAX_BATCH = 256
@@ -54,7 +54,9 @@ def main() -> int:
     snac = SnacModel.load(snac_dir, "cuda")
     _silence_noise(snac.model)
     t0 = time.perf_counter()
-    graphs = {f: _GraphedDecoder(snac.model, "cuda", f, MAX_BATCH) for f in WINDOW_FRAMES}
+    snac.capture_graphs(WINDOW_FRAMES, MAX_BATCH)  # the gateway's own path: one memory pool for all lengths
+    graphs = {g.frames: g for g in snac._graphed}
+    assert sorted(graphs) == sorted(WINDOW_FRAMES), f"captured {sorted(graphs)}"
     report: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "capture_s": round(time.perf_counter() - t0, 2),
                                  "max_abs_diff": {}, "ms_per_batch": {}}
     ok = True
