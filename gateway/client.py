@@ -55,9 +55,11 @@ class HeadlessPeer:
     frames: list[ReceivedFrame] = field(default_factory=list)
     pcm: list[np.ndarray] = field(default_factory=list)
     session_id: str | None = None
+    # STUN/TURN of this peer, e.g. from the gateway's GET /v1/webrtc/ice-servers; default none (loopback tests).
+    configuration: RTCConfiguration | None = None
 
     def __post_init__(self) -> None:
-        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.pc = RTCPeerConnection(self.configuration or RTCConfiguration(iceServers=[]))
         self.channel = self.pc.createDataChannel("control")
         self.pc.addTransceiver("audio", direction="recvonly")
         self._event_arrived = asyncio.Event()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV_PREFIX = "ORPHEUS_GATEWAY_"
+MIN_TURN_CREDENTIAL_TTL_S = 60
 
 
 class ConfigError(ValueError):
@@ -94,8 +95,14 @@ class GatewayConfig:
     # --- WebRTC sessions --------------------------------------------------------------------------
     jitter_buffer_ms: int = _opt(500, "Default audio queued before an utterance starts playing (0-5000).")
     ice_servers: list[str] = _opt([], "STUN/TURN urls (repeatable). None: no external server is contacted.")  # noqa: RUF009
-    ice_username: str | None = _opt(None, "TURN username.")
-    ice_credential: str | None = _opt(None, "TURN credential.")
+    ice_username: str | None = _opt(None, "Static TURN username (browsers get it too, from GET "
+                                    "/v1/webrtc/ice-servers; --turn-secret gives each its own).")
+    ice_credential: str | None = _opt(None, "Static TURN password, handed to every browser with --ice-username.")
+    turn_secret: str | None = _opt(None, "Secret shared with coturn (its use-auth-secret + static-auth-secret): the "
+                                   "TURN urls get time-limited credentials minted per browser and per session "
+                                   "instead of a static password; the secret itself is never sent.")
+    turn_credential_ttl_s: int = _opt(3600, "How long a minted TURN credential can start a relay, in seconds "
+                                      "(a relay it started lives on).")
     opus_bitrate: int = _opt(32000, "Opus bits/s of each session's audio (mono speech; 24-48 kbps is transparent).")
     opus_complexity: int = _opt(5, "Opus encoder complexity 0-10: CPU per peer vs quality (aiortc's own: 10).")
     max_sessions: int = _opt(512, "Most concurrent WebRTC sessions; more get 503.")
@@ -253,6 +260,7 @@ def validate(config: GatewayConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _validate_ice(config)
     for url in config.vllm_urls:
         if not _is_base_url(url):
             raise ConfigError(f"vllm_urls: {url!r} is not an http(s) base URL such as http://gpu1:8001")
@@ -265,6 +273,35 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"allowed_origin: {exc}") from None
     if config.default_voice is not None and config.default_voice not in config.voice_list:
         raise ConfigError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")
+
+
+def _validate_ice(config: GatewayConfig) -> None:
+    """STUN/TURN settings: urls a browser accepts, and exactly one source of TURN credentials when TURN is used."""
+    from gateway.auth import MIN_SECRET_CHARS
+    from gateway.ice import check_ice_url, is_turn_url
+
+    for url in config.ice_servers:
+        try:
+            check_ice_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"ice_servers: {exc}") from None
+    static = (config.ice_username is not None, config.ice_credential is not None)
+    if static[0] != static[1]:
+        raise ConfigError("ice_username and ice_credential: set both (static TURN credentials) or neither")
+    if config.turn_secret is not None:
+        if len(config.turn_secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"turn_secret must have at least {MIN_SECRET_CHARS} characters")
+        if all(static):
+            raise ConfigError("turn_secret and ice_username/ice_credential: set one source of TURN credentials, "
+                              "not both")
+    # Shorter ones fail on the clock difference between the gateway's and coturn's hosts.
+    if config.turn_credential_ttl_s < MIN_TURN_CREDENTIAL_TTL_S:
+        raise ConfigError(f"turn_credential_ttl_s must be at least {MIN_TURN_CREDENTIAL_TTL_S} (seconds)")
+    turn = [url for url in config.ice_servers if is_turn_url(url)]
+    if turn and config.turn_secret is None and not all(static):
+        # Browsers refuse a TURN server without credentials (RTCPeerConnection throws), aiortc cannot allocate.
+        raise ConfigError(f"ice_servers: {turn[0]!r} needs credentials: set turn_secret (time-limited, "
+                          "recommended) or ice_username and ice_credential")
 
 
 def _is_base_url(url: str) -> bool:

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 OFFER_PATH = "/v1/webrtc/offer"
+ICE_SERVERS_PATH = "/v1/webrtc/ice-servers"
+# Who the access check let in (a session token's `sub`), for routes that personalise their answer.
+SUBJECT_KEY: web.RequestKey[str | None] = web.RequestKey("subject", str | None)
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:

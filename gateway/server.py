@@ -21,7 +21,15 @@ from gateway.admission import Admission, CapacityError
 from gateway.auth import AccessPolicy, AuthError
 from gateway.config import GatewayConfig
 from gateway.engine import EngineDeadError, EngineState, EngineUnavailableError
-from gateway.http import GATEWAY_KEY, OFFER_PATH, capacity_error, json_error, read_json_object
+from gateway.http import (
+    GATEWAY_KEY,
+    ICE_SERVERS_PATH,
+    OFFER_PATH,
+    SUBJECT_KEY,
+    capacity_error,
+    json_error,
+    read_json_object,
+)
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics
 from gateway.orpheus import SAMPLE_RATE
@@ -38,7 +46,7 @@ ENGINE_RETRY_AFTER_S = 5  # an engine (re)start takes tens of seconds; ask again
 PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz"})
 PUBLIC_PREFIXES = ("/static/",)
 METRICS_PATH = "/metrics"
-QUERY_TOKEN_PATHS = frozenset({OFFER_PATH})  # clients that cannot set headers may pass ?token= here
+QUERY_TOKEN_PATHS = frozenset({OFFER_PATH, ICE_SERVERS_PATH})  # clients that cannot set headers: ?token= here
 BEARER_PREFIX = "bearer "
 FORWARDED_HOST_HEADER = "X-Forwarded-Host"
 CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
@@ -171,6 +179,7 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
                                                      "Access-Control-Max-Age": str(CORS_MAX_AGE_S)})
         if _needs_token(request.path, gateway.config):
             subject = gateway.access.authenticate(_request_token(request))
+            request[SUBJECT_KEY] = subject
             if subject is not None:
                 log.debug("%s %s for %s", request.method, request.path, subject)
     except AuthError as exc:

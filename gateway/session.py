@@ -31,7 +31,16 @@ from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnec
 from gateway.admission import CapacityError, Slot, TokenBucket
 from gateway.encoder import OpusTrack
 from gateway.engine import EngineError
-from gateway.http import GATEWAY_KEY, OFFER_PATH, capacity_error, json_error, read_json_object
+from gateway.http import (
+    GATEWAY_KEY,
+    ICE_SERVERS_PATH,
+    OFFER_PATH,
+    SUBJECT_KEY,
+    capacity_error,
+    json_error,
+    read_json_object,
+)
+from gateway.ice import client_id, ice_servers, uses_turn_secret
 from gateway.orpheus import SentenceSplitter
 from gateway.playout import MAX_JITTER_BUFFER_MS, SAMPLE_RATE_OUT, PlayoutEvent, PlayoutEventKind, PlayoutTrack
 from gateway.synthesizer import InvalidRequestError, UtteranceStats
@@ -116,10 +125,10 @@ class Session:
     """One browser peer: its connection, its playout track, its utterance queue."""
 
     def __init__(self, manager: SessionManager, pc: RTCPeerConnection, voice: str, jitter_buffer_ms: int,
-                 slot: Slot | None = None) -> None:
+                 slot: Slot | None = None, session_id: str | None = None) -> None:
         self.manager = manager
         self.gateway = manager.gateway
-        self.id = self.gateway.session_id_prefix + uuid.uuid4().hex
+        self.id = session_id or manager.new_session_id()
         config = self.gateway.config
         self.pc = pc
         self.voice = voice
@@ -462,16 +471,21 @@ class SessionManager:
         self.gateway = gateway
         self.sessions: dict[str, Session] = {}
 
-    def ice_configuration(self) -> RTCConfiguration:
-        config = self.gateway.config
-        servers = [RTCIceServer(urls=url, username=config.ice_username, credential=config.ice_credential)
-                   for url in config.ice_servers]
+    def new_session_id(self) -> str:
+        return self.gateway.session_id_prefix + uuid.uuid4().hex
+
+    def ice_configuration(self, session_id: str) -> RTCConfiguration:
+        """The gateway's side: the configured servers, with TURN credentials minted for this session."""
+        servers = [RTCIceServer(urls=list(s.urls), username=s.username, credential=s.credential)
+                   for s in ice_servers(self.gateway.config, session_id)]
         return RTCConfiguration(iceServers=servers)  # [] (not None): no public STUN server is contacted
 
     async def open(self, offer: RTCSessionDescription, voice: str, jitter_buffer_ms: int, slot: Slot) -> Session:
         try:
-            pc = RTCPeerConnection(self.ice_configuration())
-            session = Session(self, pc, voice, jitter_buffer_ms, slot)
+            # The id comes first: the gateway's TURN username (`<expiry>:<session id>`) names the session.
+            session_id = self.new_session_id()
+            pc = RTCPeerConnection(self.ice_configuration(session_id))
+            session = Session(self, pc, voice, jitter_buffer_ms, slot, session_id)
         except BaseException:
             slot.release()
             raise
@@ -550,6 +564,20 @@ async def offer(request: web.Request) -> web.Response:
     return web.json_response({"sdp": local.sdp, "type": local.type, "session_id": session.id})
 
 
+async def get_ice_servers(request: web.Request) -> web.Response:
+    """`{ice_servers: [RTCIceServer...], ttl_s}`: what the browser passes to `new RTCPeerConnection`.
+
+    Behind the same access check as the offer. TURN credentials are minted per call when a TURN secret is set
+    (`ttl_s` is then how long they can start a relay; null for static ones); the secret itself never leaves.
+    """
+    config = request.app[GATEWAY_KEY].config
+    servers = ice_servers(config, client_id(request.get(SUBJECT_KEY)))
+    ttl_s = config.turn_credential_ttl_s if uses_turn_secret(config) else None
+    # no-store: the answer holds credentials, which no shared cache may keep or hand to someone else.
+    return web.json_response({"ice_servers": [s.to_json() for s in servers], "ttl_s": ttl_s},
+                             headers={"Cache-Control": "no-store"})
+
+
 async def end_session(request: web.Request) -> web.Response:
     manager: SessionManager = request.app[GATEWAY_KEY].sessions
     session = manager.sessions.get(request.match_info["session_id"])
@@ -561,5 +589,6 @@ async def end_session(request: web.Request) -> web.Response:
 
 def mount_webrtc(app: web.Application, gateway: Gateway) -> None:
     gateway.sessions = SessionManager(gateway)
+    app.router.add_get(ICE_SERVERS_PATH, get_ice_servers)
     app.router.add_post(OFFER_PATH, offer)
     app.router.add_delete("/v1/webrtc/sessions/{session_id}", end_session)

@@ -34,7 +34,8 @@ def test_defaults() -> None:
 
 def test_env_then_flag_precedence() -> None:
     env = {"ORPHEUS_GATEWAY_MAX_NUM_SEQS": "64", "ORPHEUS_GATEWAY_PORT": "9000",
-           "ORPHEUS_GATEWAY_ENABLE_PREFIX_CACHING": "false", "ORPHEUS_GATEWAY_ICE_SERVERS": "stun:a:3478,turn:b:3478"}
+           "ORPHEUS_GATEWAY_ENABLE_PREFIX_CACHING": "false", "ORPHEUS_GATEWAY_ICE_SERVERS": "stun:a:3478,turn:b:3478",
+           "ORPHEUS_GATEWAY_TURN_SECRET": "0123456789abcdef0123"}
     config = config_mod.from_sources(parse(["--port", "9100", "--max-tokens", "900"]), env=env)
     assert config.max_num_seqs == 64
     assert config.port == 9100

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
-from gateway.config import ENV_PREFIX, GatewayConfig
+from gateway.config import ENV_PREFIX, GatewayConfig, from_sources
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -170,7 +170,7 @@ def dockerfile() -> list[Instruction]:
 
 
 # What an operator puts in .env (compose.yaml's header); the checks below read compose.yaml interpolated with it.
-SAMPLE_ENV = {"PUBLIC_IP": "203.0.113.10", "TURN_PASSWORD": "0123456789abcdef0123456789abcdef"}
+SAMPLE_ENV = {"PUBLIC_IP": "203.0.113.10", "TURN_SECRET": "0123456789abcdef0123456789abcdef"}
 _VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -205,7 +205,7 @@ def test_compose_variables_are_the_documented_ones() -> None:
     for name in required:
         assert re.search(rf"^#\s+{name}=", header, flags=re.M), f"compose.yaml's header should show {name}= in .env"
     with pytest.raises(KeyError, match="PUBLIC_IP"):
-        interpolate(text, {"TURN_PASSWORD": "x"})
+        interpolate(text, {"TURN_SECRET": "x"})
 
 
 @pytest.fixture(scope="module")
@@ -454,21 +454,29 @@ def test_gateway_is_told_about_the_turn_server(compose: dict[str, Any]) -> None:
     urls = env[f"{ENV_PREFIX}ICE_SERVERS"].split(",")
     turn = [u for u in urls if u.startswith("turn:")]
     assert turn and all(re.match(rf"^(stun|turn):[^:]+:{port}(\?transport=(udp|tcp))?$", u) for u in urls), urls
+    assert any(u.endswith("?transport=tcp") for u in turn), "TURN over TCP, for browsers on networks that block UDP"
     coturn = services["coturn"]
     assert any(v.startswith("./docker/turnserver.conf:/etc/coturn/turnserver.conf") for v in coturn["volumes"])
-    user = next(arg for arg in coturn["command"] if arg.startswith("--user="))
-    username, _, password = user.removeprefix("--user=").partition(":")
-    assert username == env[f"{ENV_PREFIX}ICE_USERNAME"]
-    assert password == env[f"{ENV_PREFIX}ICE_CREDENTIAL"] == SAMPLE_ENV["TURN_PASSWORD"], "one TURN password"
+    # Time-limited credentials: coturn and the gateway share one secret; no static user on either side.
+    secrets = [arg.removeprefix("--static-auth-secret=") for arg in coturn["command"]
+               if arg.startswith("--static-auth-secret=")]
+    assert secrets == [env[f"{ENV_PREFIX}TURN_SECRET"]] == [SAMPLE_ENV["TURN_SECRET"]], "one TURN secret"
+    assert not any(arg.startswith(("--user=", "-u")) for arg in coturn["command"])
+    assert f"{ENV_PREFIX}ICE_USERNAME" not in env and f"{ENV_PREFIX}ICE_CREDENTIAL" not in env
     assert f"--external-ip={SAMPLE_ENV['PUBLIC_IP']}" in coturn["command"]
     assert all(SAMPLE_ENV["PUBLIC_IP"] in url for url in urls)
+    # The gateway accepts these settings (urls, secret length, one credential source). `KEY: ${VAR:-}` reads as
+    # null here; compose interpolates before typing, so the container gets an empty string.
+    config = from_sources(env={k: "" if v is None else str(v) for k, v in env.items() if k.startswith(ENV_PREFIX)})
+    assert config.turn_secret == SAMPLE_ENV["TURN_SECRET"] and config.ice_servers == urls
 
 
 def test_turnserver_conf() -> None:
     conf = turn_conf()
     for key in ("listening-port", "min-port", "max-port", "realm", "fingerprint", "no-cli"):
         assert key in conf, key
-    assert "lt-cred-mech" in conf or "use-auth-secret" in conf
+    assert "use-auth-secret" in conf, "time-limited credentials minted by the gateway (TURN REST API)"
+    assert "lt-cred-mech" not in conf, "no static users beside the secret"
     assert 1024 < int(conf["min-port"][0]) < int(conf["max-port"][0]) <= 65535
     assert "user" not in conf and "static-auth-secret" not in conf, "no secret in git: compose passes it"
     denied = " ".join(conf.get("denied-peer-ip", []))

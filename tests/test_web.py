@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway.config import GatewayConfig
-from gateway.http import GATEWAY_KEY
+from gateway.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH
 from gateway.server import create_app
 from gateway.synthesizer import Synthesizer
+from tests.test_reliability import running
 from tests.test_synthesizer import wait_until
+from tests.test_turn import TURN_SECRET, Coturn, coturn_server, needs_coturn, wait_for_coturn  # noqa: F401
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -195,6 +200,82 @@ async def test_offer_http_errors_read_as_human_messages(page: Any, status: int, 
     await page.wait_for_selector("#error:not([hidden])", timeout=READY_S * 1000)
     assert expected in await page.text_content("#error")
     assert await page.get_attribute("body", "data-state") == "disconnected"
+
+
+async def test_page_takes_its_ice_servers_from_the_gateway(page: Any) -> None:
+    # The real route (no servers configured here): asked for before the offer, with the page's token.
+    await page.goto(page.url + "?token=page-token-123")
+    await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+    requests: list[Any] = []
+    page.on("request", lambda request: requests.append(request))
+    await connect(page)
+    paths = [urlsplit(r.url).path for r in requests]
+    assert ICE_SERVERS_PATH in paths, paths
+    assert paths.index(ICE_SERVERS_PATH) < paths.index(OFFER_PATH), "the servers are needed to create the peer"
+    ice_request = requests[paths.index(ICE_SERVERS_PATH)]
+    assert (await ice_request.all_headers()).get("authorization") == "Bearer page-token-123"
+    assert await page.evaluate("window.__app.pc.getConfiguration().iceServers") == []
+    await page.click("#disconnect")
+    await page.wait_for_selector('body[data-state="disconnected"]')
+
+    # What the gateway answers is what the peer is made with.
+    servers = [{"urls": ["stun:127.0.0.1:9"]},
+               {"urls": ["turn:127.0.0.1:9?transport=udp"], "username": "1:x", "credential": "c"}]
+
+    async def answer(route: Any) -> None:
+        await route.fulfill(status=200, json={"ice_servers": servers, "ttl_s": 60})
+
+    await page.route(f"**{ICE_SERVERS_PATH}*", answer)
+    await connect(page)
+    configured = await page.evaluate("window.__app.pc.getConfiguration().iceServers")
+    # Chromium reports absent credentials as ''.
+    assert [{k: v for k, v in s.items() if k in ("urls", "username", "credential") and v} for s in configured] \
+        == servers
+    await page.click("#disconnect")
+    await page.wait_for_selector('body[data-state="disconnected"]')
+    await page.unroute(f"**{ICE_SERVERS_PATH}*")
+
+
+@pytest.mark.parametrize("failure", ["http_500", "not_json", "unusable_server"])
+async def test_page_connects_without_ice_servers_when_they_cannot_be_had(page: Any, failure: str) -> None:
+    warnings: list[str] = []
+    page.on("console", lambda msg: warnings.append(msg.text) if msg.type == "warning" else None)
+
+    async def broken(route: Any) -> None:
+        if failure == "http_500":
+            await route.fulfill(status=500, json={"error": {"code": "internal_error", "message": "test"}})
+        elif failure == "not_json":
+            await route.fulfill(status=200, body="<html>proxy error</html>", content_type="text/html")
+        else:  # TURN without credentials: RTCPeerConnection throws on it
+            await route.fulfill(status=200, json={"ice_servers": [{"urls": ["turn:127.0.0.1:9"]}], "ttl_s": None})
+
+    await page.route(f"**{ICE_SERVERS_PATH}*", broken)
+    await connect(page)
+    assert await page.evaluate("window.__app.pc.getConfiguration().iceServers") == []
+    assert any("connecting without STUN/TURN" in w for w in warnings), warnings
+    assert await page.is_hidden("#error"), "no error for the student: the lesson works without them here"
+
+
+@needs_coturn
+async def test_browser_allocates_a_relay_with_the_gateways_credentials(
+        browser: Any, coturn: Coturn, test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """The page's peer gets a relayed candidate from a real coturn, credentials minted by the gateway."""
+    await wait_for_coturn(coturn)
+    config = dataclasses.replace(test_config, ice_servers=[coturn.url], turn_secret=TURN_SECRET)
+    async with running(config, synthesizer) as (base, _):
+        page, errors = await open_page(browser, base)
+        try:
+            await connect(page)
+            types = await page.evaluate("""async () => {
+              const report = await window.__app.pc.getStats();
+              return [...report.values()].filter((e) => e.type === 'local-candidate').map((e) => e.candidateType);
+            }""")
+            assert "relay" in types, types
+            username = await page.evaluate("window.__app.pc.getConfiguration().iceServers[0].username")
+            assert re.fullmatch(r"\d+:[0-9a-f]{32}", username), f"minted for this page: {username!r}"
+        finally:
+            await page.context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
 
 
 async def test_phone_width_has_no_horizontal_scroll(browser: Any, base_url: str) -> None:

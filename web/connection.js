@@ -3,6 +3,7 @@
 
 const PING_INTERVAL_MS = 2000; // the gateway treats these pings as a heartbeat
 const ICE_GATHERING_TIMEOUT_MS = 5000;
+const ICE_SERVERS_TIMEOUT_MS = 5000;
 
 // A gateway with auth on needs a token: the lesson backend opens the page as `...?token=<token>`.
 function authHeaders() {
@@ -17,6 +18,34 @@ export class GatewayError extends Error {
     this.name = 'GatewayError';
     this.status = status;
     this.code = code;
+  }
+}
+
+// STUN/TURN servers from the gateway, TURN credentials minted for this page (the TURN secret stays on the
+// server). Without them the page still connects wherever the gateway is reachable directly, so a failure here
+// is logged and the peer is made with no servers rather than the lesson failing.
+async function fetchIceServers(baseUrl) {
+  try {
+    const response = await fetch(`${baseUrl}/v1/webrtc/ice-servers`, {
+      headers: authHeaders(), cache: 'no-store', signal: AbortSignal.timeout?.(ICE_SERVERS_TIMEOUT_MS),
+    });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const servers = (await response.json())?.ice_servers;
+    if (!Array.isArray(servers)) throw new Error('the answer has no ice_servers list');
+    return servers;
+  } catch (error) {
+    console.warn(`ICE servers unavailable (${error.message}); connecting without STUN/TURN`);
+    return [];
+  }
+}
+
+// RTCPeerConnection throws on a server it cannot use (a TURN url without credentials): fall back to none.
+function createPeerConnection(iceServers) {
+  try {
+    return new RTCPeerConnection({ iceServers });
+  } catch (error) {
+    console.warn(`ICE servers refused by the browser (${error.message}); connecting without STUN/TURN`);
+    return new RTCPeerConnection({ iceServers: [] });
   }
 }
 
@@ -52,7 +81,9 @@ export class TutorConnection extends EventTarget {
 
   /** Open the session; throws GatewayError for HTTP errors, TypeError when the server is unreachable. */
   async connect({ voice, jitterBufferMs }) {
-    const pc = new RTCPeerConnection({ iceServers: [] });
+    const iceServers = await fetchIceServers(this.baseUrl);
+    if (this._closed) return; // disconnected while the servers were being fetched
+    const pc = createPeerConnection(iceServers);
     this.pc = pc;
     pc.addTransceiver('audio', { direction: 'recvonly' });
     // Created before the offer so that it carries the m=application section the gateway requires.
