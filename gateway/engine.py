@@ -244,10 +244,13 @@ class OrpheusEngine(EngineBase):
         return 0 if llm is None else llm.output_processor.get_num_unfinished_requests()
 
     def engine_process_ids(self) -> list[int]:
-        """PIDs of the engine-core processes (for fault tests and operations)."""
+        """PIDs of this engine's engine-core processes (for fault tests and operations).
+
+        Direct children only: AsyncLLM starts its engine cores itself, while a `vllm serve` this process also
+        started (workers, tests) has engine cores of its own one level further down, which are not ours."""
         import psutil
 
-        return [p.pid for p in psutil.Process().children(recursive=True)
+        return [p.pid for p in psutil.Process().children(recursive=False)
                 if "EngineCore" in " ".join(_safe_cmdline(p)) or "EngineCore" in _safe_name(p)]
 
     # --- health -----------------------------------------------------------------------------------
