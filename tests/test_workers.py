@@ -38,8 +38,13 @@ class Workers:
         return f"http://127.0.0.1:{self.port}"
 
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)
-                if "gateway.workers" in " ".join(p.cmdline())]
+        """Live workers (a killed one is a zombie until the supervisor's next poll reaps it)."""
+        pids = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # gone or a zombie meanwhile
+                if child.status() != psutil.STATUS_ZOMBIE and "gateway.workers" in " ".join(child.cmdline()):
+                    pids.append(child.pid)
+        return pids
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
