@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from bench.timing import describe
+from gateway.codec import DecodeStats
 
 LAG_INTERVAL_S = 0.01  # how often the lag monitor wakes up
 SNAC_THREAD_NAME = "snac-decoder"
@@ -59,7 +60,7 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = ()) -> CpuSnapshot
         with contextlib.suppress(psutil.Error):
             times = child.cpu_times()
             (clients if child.pid in client_pids else children)[child.pid] = times.user + times.system
-    stats = decoder.stats
+    stats = decoder.stats if decoder is not None else DecodeStats()  # None: the gateway runs elsewhere
     return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
                        stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s)
 

@@ -111,7 +111,31 @@ async def _point_runner(level: str, config: GatewayConfig, synth: Synthesizer, o
         raise ValueError(f"unknown level {level!r}")
 
 
-async def _run_scenario(entry: dict[str, Any], runner: PointRunner, synth: Synthesizer, options: BenchOptions,
+async def run_external(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The WebRTC level against `options.gateway_url`, a gateway running in other processes."""
+    assert options.gateway_url is not None
+    out_dir = options.out_dir or RESULTS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
+    run: dict[str, Any] = {"schema": SCHEMA, "started": _now(), "argv": list(argv) if argv is not None else None,
+                           "machine": machine_info(), "gateway_url": options.gateway_url,
+                           "options": dataclasses.asdict(options), "scenarios": []}
+    async with contextlib.AsyncExitStack() as stack:
+        if options.client_processes:
+            pool = await stack.enter_async_context(ClientPool(options.client_processes))
+            runner: PointRunner = functools.partial(pool.run_point, options.gateway_url)
+            client_pids = pool.pids
+        else:
+            runner, client_pids = functools.partial(webrtc_level.run_point, options.gateway_url), []
+        for scenario in options.scenarios:
+            entry: dict[str, Any] = {"scenario": scenario, "level": WEBRTC, "points": []}
+            run["scenarios"].append(entry)
+            await _run_scenario(entry, runner, None, options, out_dir, client_pids,
+                                on_point=lambda: write_json(run, out_dir))
+    run["finished"] = _now()
+    run["json"] = str(write_json(run, out_dir))
+    return run
+
+
+async def _run_scenario(entry: dict[str, Any], runner: PointRunner, synth: Synthesizer | None, options: BenchOptions,
                         out_dir: Path, client_pids: Sequence[int], on_point: Callable[[], object]) -> None:
     """Fill `entry` (scenario, level, points) point by point, then print its tables and draw its plot."""
     scenario, level, points = entry["scenario"], entry["level"], entry["points"]
@@ -130,9 +154,9 @@ async def _run_scenario(entry: dict[str, Any], runner: PointRunner, synth: Synth
                                           out_dir / f"{scenario}-{level}.png"))
 
 
-async def _measure_point(runner: PointRunner, planned: Workload, users: int, synth: Synthesizer,
+async def _measure_point(runner: PointRunner, planned: Workload, users: int, synth: Synthesizer | None,
                          options: BenchOptions, client_pids: Sequence[int]) -> dict[str, Any]:
-    probe = PointProbe(synth.decoder, client_pids)
+    probe = PointProbe(synth.decoder if synth is not None else None, client_pids)
     probe.start()
     records = await runner(planned, options)
     pipeline = await probe.stop()
@@ -162,6 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.log_level is None:
         args.log_level = BENCH_LOG_LEVEL
+    if args.gateway_url:
+        options = dataclasses.replace(options_from_args(args, 0.0), levels=[WEBRTC])  # the only level there
+        if options.tokens_per_char:
+            print("bench: error: --gateway-url runs without token budgets (the gateway's model must stop by "
+                  "itself): drop --tokens-per-char", file=sys.stderr)
+            return 2
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        run = asyncio.run(run_external(options, argv))
+        print(f"[bench] wrote {run['json']}", file=sys.stderr)
+        return 0
     with chosen_model(args) as choice:
         try:
             config = engine_config(args, choice)

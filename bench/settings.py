@@ -63,6 +63,7 @@ class BenchOptions:
     stall_tolerance_ms: float = DEFAULT_STALL_TOLERANCE_MS
     connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY
     client_processes: int = 0  # webrtc: 0 = client peers in the benchmark's own event loop
+    gateway_url: str | None = None  # webrtc against a gateway running elsewhere (no engine in this process)
     out_dir: Path | None = None  # None: bench-results/<timestamp>/
     plots: bool = True
     keep_arrivals: bool = False
@@ -139,6 +140,10 @@ def _add_bench_arguments(group: Any) -> None:
     group.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S)
     group.add_argument("--connect-concurrency", type=int, default=DEFAULT_CONNECT_CONCURRENCY,
                        help="webrtc: peers negotiating at once (per client process)")
+    group.add_argument("--gateway-url", default=None, metavar="URL",
+                       help="webrtc level against a gateway that is already running (e.g. `serve --workers 8`), "
+                            "no engine in this process; its model must stop by itself (no token budgets), so "
+                            "--tokens-per-char is 0, and the CPU split covers only the client processes")
     group.add_argument("--client-processes", type=int, default=0, metavar="K",
                        help="webrtc: run the client peers in K processes of their own, so they don't share the "
                             "gateway's event loop (use for more than a few dozen peers) [default: 0 = in-process]")
@@ -189,6 +194,7 @@ def options_from_args(args: argparse.Namespace, default_tokens_per_char: float) 
         stall_tolerance_ms=args.stall_tolerance_ms,
         connect_concurrency=args.connect_concurrency,
         client_processes=max(0, args.client_processes),
+        gateway_url=args.gateway_url.rstrip("/") if args.gateway_url else None,
         out_dir=args.out,
         plots=not args.no_plots,
         keep_arrivals=args.keep_arrivals,

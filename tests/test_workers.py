@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -150,6 +151,20 @@ async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
     async with aiohttp.ClientSession() as http, http.get(f"{workers.url}/readyz") as resp:
         assert resp.status == 200
 
+
+def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> None:
+    """`bench --gateway-url`: the WebRTC level against a gateway in other processes, clients in their own."""
+    from bench.run import main
+
+    out = tmp_path / "bench"
+    argv = ["--gateway-url", workers.url, "--quick", "--scenario", "streaming", "--streaming-users", "2",
+            "--client-processes", "2", "--warmup", "0", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    run = json.loads((out / "bench.json").read_text())
+    (point,) = run["scenarios"][0]["points"]
+    assert run["gateway_url"] == workers.url and run["scenarios"][0]["level"] == "webrtc"
+    assert point["summary"]["ok"] == 2 and all(r["audio_s"] > 0 for r in point["requests"])
+    assert point["pipeline"]["cpu_s"]["client_processes"] > 0
 
 async def test_sigterm_stops_the_supervisor_and_its_workers(workers: Workers) -> None:
     pids = workers.worker_pids()
