@@ -79,6 +79,7 @@ def _fill_engine_figures(record: RequestRecord, stats: TimedStats, arrivals: lis
     record.tokens = stats.tokens
     record.ttft_ms = _ms_after(stats.first_token_at, stats.started)
     record.ttff_ms = _ms_after(stats.first_frame_at, stats.started)
+    record.ttfw_ms = _ms_after(stats.first_window_at, stats.started)
     record.generated_ms = _ms_after(stats.last_token_at, stats.started)
     if arrivals:
         record.done_ms = round(arrivals[-1][0] * MS, 2)

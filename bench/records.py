@@ -39,6 +39,7 @@ class RequestRecord:
     error: str | None = None
     ttft_ms: float | None = None  # engine level only
     ttff_ms: float | None = None  # engine level only
+    ttfw_ms: float | None = None  # engine level only: the first decode window went to SNAC
     generated_ms: float | None = None  # engine level only: the last token (generation done)
     ttfa_ms: float | None = None
     done_ms: float | None = None  # last audio (engine) or the `done` event (WebRTC), after sending
@@ -100,6 +101,7 @@ def summarize(records: Sequence[RequestRecord], users: int, buffers_ms: Sequence
         "realtime_users": _round(audio_s / wall_s if wall_s and audio_s else None),
         "ttft_ms": describe([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         "ttff_ms": describe([r.ttff_ms for r in ok if r.ttff_ms is not None]),
+        "ttfw_ms": describe([r.ttfw_ms for r in ok if r.ttfw_ms is not None]),
         "ttfa_ms": describe([r.ttfa_ms for r in ok if r.ttfa_ms is not None]),
         "generated_ms": describe([r.generated_ms for r in ok if r.generated_ms is not None]),
         "stream_rtf": describe([r.rtf for r in ok if r.rtf is not None]),

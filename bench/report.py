@@ -76,7 +76,7 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
     if scenario == TTFA:
         latency = [(f"{name.upper()} {stat} ms", _ms(f"{name}_ms", stat))
                    for name, stats in (("ttft", ("min", "avg", "max")), ("ttff", ("avg", "max")),
-                                       ("ttfa", ("min", "avg", "p50", "p95", "max")))
+                                       ("ttfw", ("p50", "p95")), ("ttfa", ("min", "avg", "p50", "p95", "max")))
                    for stat in stats]
         return [n, ("success", _success), *latency]
     if scenario == MAX_USERS:

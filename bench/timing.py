@@ -7,11 +7,12 @@ isolation from the engine.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from gateway.orpheus import sentence_token_cap
 
 FRAME_TOKENS = 7  # one SNAC frame = 7 audio tokens
 PERCENTILES = (50, 95)
@@ -75,11 +76,11 @@ def simulate_playback(arrivals: Sequence[tuple[float, float]], buffer_s: float, 
 
 
 def token_budget(chars: int, tokens_per_char: float, cap: int) -> int | None:
-    """Audio tokens to generate for a sentence of `chars` characters: whole frames, at least one, at most `cap`.
+    """Audio tokens to generate for a sentence of `chars` characters: whole frames, at least one, at most `cap`
+    (the gateway's own `--max-tokens-per-char` rule, so a gateway started with it runs the same budgets).
 
     None when `tokens_per_char` is 0: the model decides when to stop (a trained Orpheus).
     """
     if tokens_per_char <= 0:
         return None
-    frames = max(1, math.ceil(chars * tokens_per_char / FRAME_TOKENS))
-    return min(cap - cap % FRAME_TOKENS, frames * FRAME_TOKENS)
+    return sentence_token_cap(chars, tokens_per_char, cap)

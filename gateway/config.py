@@ -40,6 +40,10 @@ class GatewayConfig:
     voices: list[str] = _opt([], "Voices offered (repeatable); default: the checkpoint's known voices.")  # noqa: RUF009
     default_voice: str | None = _opt(None, "Voice used when a request names none; default: the first voice.")
     max_tokens: int = _opt(2400, "Most audio tokens per sentence (82 tokens = 1 s of audio).")
+    max_tokens_per_char: float = _opt(0.0, "Also cap a sentence at this many audio tokens per character, in whole "
+                                      "frames (0 = off). Speech runs ~5-6 tokens per character: ~20 stops a "
+                                      "runaway generation early; random-weight benchmark models use 6 as their "
+                                      "length rule.")
     max_num_seqs: int = _opt(256, "Most sequences the engine batches at once (continuous batching).")
     max_model_len: int = _opt(4096, "Longest prompt + generation, in tokens.")
     max_num_batched_tokens: int | None = _opt(None, "Token budget of one engine step (chunked prefill).")
@@ -74,6 +78,10 @@ class GatewayConfig:
     snac_device: str = _opt("auto", "Device for SNAC decoding: auto (cuda if present), cpu, cuda, cuda:N.")
     decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
+    decode_first_lookahead_frames: int | None = _opt(None, "Right context of an utterance's first decode window; "
+                                                     "default: decode_lookahead_frames. 0 plays the first frame "
+                                                     "one frame (7 tokens) sooner, but the second frame then "
+                                                     "needs two frames' tokens within one frame's playing time.")
     decode_hop_frames: int = _opt(1, "Fewest new frames a decode window emits once streaming (the hop at light load).")
     decode_max_hop_frames: int = _opt(4, "Most new frames a decode window emits: a stream's next window covers every "
                                       "frame that arrived while its last decode ran, up to this (adaptive hop; "
@@ -224,11 +232,14 @@ def validate(config: GatewayConfig) -> None:
 
     checks = [
         (config.max_tokens >= 7, "max_tokens must be at least 7 (one SNAC frame)"),
+        (config.max_tokens_per_char >= 0, "max_tokens_per_char must be >= 0"),
         (config.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
         (all(n >= 0 for n in config.warmup_batch_sizes), "warmup_batch_sizes must be >= 0 (0 = skip)"),
         (0 <= config.jitter_buffer_ms <= 5000, "jitter_buffer_ms must be within 0..5000"),
         (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
+        (config.decode_first_lookahead_frames is None or config.decode_first_lookahead_frames >= 0,
+         "decode_first_lookahead_frames must be >= 0"),
         (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
         (config.decode_max_hop_frames >= 1, "decode_max_hop_frames must be >= 1"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),

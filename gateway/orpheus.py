@@ -8,10 +8,13 @@ codes go to the codec's three layers as L0=[c0], L1=[c1, c4], L2=[c2, c3, c5, c6
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 BOS_ID = 128000
 END_OF_TEXT_ID = 128009
@@ -145,6 +148,16 @@ def split_sentences(text: str, max_sentence_chars: int = 300) -> list[str]:
     return splitter.feed(text) + splitter.flush()
 
 
+def sentence_token_cap(chars: int, tokens_per_char: float, max_tokens: int) -> int:
+    """Most audio tokens to generate for a sentence of `chars` characters: `max_tokens`, and with
+    `tokens_per_char` > 0 also that many per character, in whole frames (at least one frame)."""
+    whole = max_tokens - max_tokens % SLOTS_PER_FRAME
+    if tokens_per_char <= 0:
+        return whole
+    frames = max(1, math.ceil(chars * tokens_per_char / SLOTS_PER_FRAME))
+    return min(whole, frames * SLOTS_PER_FRAME)
+
+
 # --- generated ids -> SNAC frames ---------------------------------------------------------------------
 
 Frame = tuple[int, int, int, int, int, int, int]
@@ -212,6 +225,21 @@ def frames_to_layers(frames: Sequence[Frame]) -> tuple[list[int], list[int], lis
         l1 += (c[1], c[4])
         l2 += (c[2], c[3], c[5], c[6])
     return l0, l1, l2
+
+
+# Columns of a frame's 7 codes in SNAC layer order: L0 = slot 0, L1 = slots 1 and 4, L2 = slots 2, 3, 5, 6.
+_LAYER_COLUMNS = ((0,), (1, 4), (2, 3, 5, 6))
+LAYER_CODES_PER_FRAME = tuple(len(columns) for columns in _LAYER_COLUMNS)  # (1, 2, 4)
+
+
+def windows_to_layer_codes(windows: Sequence[Sequence[Frame]]) -> np.ndarray:
+    """Equal-length windows of frames as one int64 array [windows, 7 * frames]: each row is that window's L0
+    (T codes), then L1 (2T), then L2 (4T), in the order of `frames_to_layers`. One host array per batch, so
+    a batch is one host-to-device copy."""
+    frames = np.asarray(windows, dtype=np.int64)  # [B, T, 7]
+    batch, length = frames.shape[0], frames.shape[1]
+    return np.concatenate([frames[:, :, list(columns)].reshape(batch, length * len(columns))
+                           for columns in _LAYER_COLUMNS], axis=1)
 
 
 def audio_token_id(k: int, code: int) -> int:

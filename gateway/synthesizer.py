@@ -22,7 +22,7 @@ import numpy as np
 from gateway.codec import DecodeBatcher, SnacModel, StreamWindower
 from gateway.config import GatewayConfig
 from gateway.engine import EngineBase, OrpheusEngine
-from gateway.orpheus import SAMPLE_RATE, AudioTokenParser, build_prompt, split_sentences
+from gateway.orpheus import SAMPLE_RATE, AudioTokenParser, build_prompt, sentence_token_cap, split_sentences
 from gateway.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class UtteranceStats:
 
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    first_window_at: float | None = None  # the first decode window went to SNAC (first audio = this + decode)
     first_audio_at: float | None = None
     finished_at: float | None = None
     sentences: int = 0
@@ -208,6 +209,9 @@ class Synthesizer:
         decoding = asyncio.create_task(self._decode(windower, arrived, ended, index, sentence, stats, chunks))
         try:
             prompt = build_prompt(self.tokenizer, voice, sentence)
+            if self.config.max_tokens_per_char > 0:
+                max_tokens = sentence_token_cap(len(sentence), self.config.max_tokens_per_char,
+                                                max_tokens or self.config.max_tokens)
             async with contextlib.aclosing(self.engine.generate(prompt, max_tokens=max_tokens, seed=seed)) as ids:
                 async for token_ids in ids:
                     if stats.first_token_at is None:
@@ -254,6 +258,8 @@ class Synthesizer:
                 arrived.clear()
                 await arrived.wait()
                 continue
+            if stats.first_window_at is None:
+                stats.first_window_at = time.monotonic()
             pcm = await self.decoder.decode_many(windows)
             last = final and windower.ready(final=True) == 0
             for i, samples in enumerate(pcm):
@@ -280,7 +286,7 @@ class Synthesizer:
 
 def _windower(config: GatewayConfig) -> StreamWindower:
     return StreamWindower(config.decode_context_frames, config.decode_lookahead_frames, config.decode_hop_frames,
-                          config.decode_max_hop_frames)
+                          config.decode_max_hop_frames, config.decode_first_lookahead_frames)
 
 
 async def _aiter(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:

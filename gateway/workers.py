@@ -86,7 +86,7 @@ def vllm_serve_command(config: GatewayConfig, host: str, port: int) -> list[str]
            "--gpu-memory-utilization", str(config.gpu_memory_utilization),
            "--tensor-parallel-size", str(config.tensor_parallel_size),
            "--data-parallel-size", str(config.data_parallel_size),
-           "--kv-cache-dtype", config.kv_cache_dtype]
+           "--kv-cache-dtype", config.kv_cache_dtype, "--stream-interval", str(config.stream_interval)]
     if config.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     if config.quantization:

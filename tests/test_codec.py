@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.codec import DecodeBatcher, DecodeWindow, SnacModel, StreamWindower
-from gateway.orpheus import SAMPLES_PER_FRAME, Frame
+from gateway.orpheus import SAMPLES_PER_FRAME, Frame, frames_to_layers
 
 FAST = settings(deadline=None, database=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 
@@ -66,11 +66,12 @@ arrivals = st.lists(st.tuples(st.integers(0, 6), st.booleans()), max_size=25)
 
 @FAST
 @given(context=st.integers(0, 2), lookahead=st.integers(0, 2), hop=st.integers(1, 3), extra=st.integers(0, 3),
-       ops=arrivals, rounds=st.booleans())
+       first=st.one_of(st.none(), st.integers(0, 2)), ops=arrivals, rounds=st.booleans())
 def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int, hop: int, extra: int,
-                                                     ops: list[tuple[int, bool]], rounds: bool) -> None:
+                                                     first: int | None, ops: list[tuple[int, bool]],
+                                                     rounds: bool) -> None:
     max_hop = hop + extra
-    windower = StreamWindower(context, lookahead, hop, max_hop)
+    windower = StreamWindower(context, lookahead, hop, max_hop, first_lookahead=first)
     frames = make_frames(sum(k for k, _ in ops), seed=len(ops))
     lengths = set(windower.window_lengths())
     pushed = 0
@@ -82,7 +83,8 @@ def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int
         assert window.keep_from == min(context, before), "full left context once there is one"
         assert window.frames == tuple(frames[before - window.keep_from:before - window.keep_from + window.length])
         if not final:
-            assert window.length - window.keep_from - window.keep_count == lookahead, "right context waited for"
+            right = lookahead if before > 0 or first is None else first
+            assert window.length - window.keep_from - window.keep_count == right, "right context waited for"
             if before > 0:
                 assert window.keep_count >= hop
             if before == 0 or before >= context:
@@ -102,6 +104,16 @@ def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int
         check(w, final=True)
     assert emitted == frames
     assert windower.take(final=True) is None
+
+
+def test_first_window_may_skip_its_lookahead() -> None:
+    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4, first_lookahead=0)
+    windower.push(make_frames(1))
+    first = windower.take()
+    assert first is not None and first.length == 1 and first.keep_count == 1, "first frame at once"
+    windower.push(make_frames(1, seed=1))
+    assert windower.take() is None, "later frames wait for their lookahead"
+    assert 1 in windower.window_lengths()
 
 
 def test_first_audio_waits_only_for_lookahead() -> None:
@@ -215,6 +227,32 @@ def test_decode_batch_shapes(snac: SnacModel) -> None:
     assert [len(p) for p in pcm] == [SAMPLES_PER_FRAME, SAMPLES_PER_FRAME]
     assert all(p.dtype == np.int16 for p in pcm)
     assert any(np.abs(p).max() > 0 for p in pcm)
+
+
+def test_batched_decode_equals_decoding_each_window_alone(snac: SnacModel) -> None:
+    """The batch path (one code array per batch, conversion to int16 on the device) gives each window the
+    samples SNAC makes for that window by itself, from its layers as `frames_to_layers` orders them."""
+    import torch
+    from snac.layers import NoiseBlock
+
+    noise = [m for m in snac.model.modules() if isinstance(m, NoiseBlock)]
+    for m in noise:  # SNAC adds fresh noise on every call; without it two decodes can be compared
+        m.forward = lambda x: x  # type: ignore[method-assign]
+    try:
+        windower = StreamWindower(1, 1, 1)
+        windower.push(make_frames(6, seed=3))
+        windows = [w for w in take_all(windower) if w.length == 3]
+        pcm = snac.decode(windows)
+        for window, samples in zip(windows, pcm, strict=True):
+            layers = [torch.tensor([layer]) for layer in frames_to_layers(window.frames)]
+            with torch.inference_mode():
+                audio = snac.model.decode(layers)[0, 0].clamp(-1.0, 1.0) * 32767
+            keep = audio[window.keep_from * SAMPLES_PER_FRAME:(window.keep_from + window.keep_count)
+                         * SAMPLES_PER_FRAME].to(torch.int16).numpy()
+            assert np.abs(samples.astype(np.int32) - keep.astype(np.int32)).max() <= 1
+    finally:
+        for m in noise:
+            del m.forward
 
 
 async def test_batcher_batches_concurrent_streams(snac: SnacModel) -> None:

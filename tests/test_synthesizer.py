@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ import pytest
 
 from gateway.codec import DecodeWindow
 from gateway.engine import EngineDeadError, EngineState
-from gateway.orpheus import SAMPLES_PER_FRAME, build_prompt
+from gateway.orpheus import SAMPLES_PER_FRAME, build_prompt, sentence_token_cap
 from gateway.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
 
 pytestmark = pytest.mark.engine
@@ -166,6 +167,25 @@ async def test_adaptive_hop_emits_every_frame_once_and_cancels_cleanly(synthesiz
     assert sentence_tasks() == []
     await wait_until(lambda: slow.in_flight == 0, timeout=2)
     await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
+
+
+async def test_tokens_per_char_caps_each_sentence(synthesizer: Synthesizer) -> None:
+    """--max-tokens-per-char: each sentence stops at its own cap (whole frames), the first and last frame
+    still become audio."""
+    config = dataclasses.replace(synthesizer.config, max_tokens_per_char=2.0)
+    synth = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, synthesizer.decoder)
+    text = "Hi. A much longer second sentence here."
+    caps = [sentence_token_cap(len(s), 2.0, config.max_tokens) for s in ("Hi.", text[4:])]
+    assert caps == [7, 70]
+    for seed in range(10):  # seeded sampling: the same utterances on every run
+        stats = UtteranceStats()
+        pcm = [c async for c in synth.utterance(text, "tara", seed=seed, stats=stats)]
+        per_sentence = [sum(len(c.pcm) for c in pcm if c.sentence_index == i) // SAMPLES_PER_FRAME for i in (0, 1)]
+        assert per_sentence[0] <= 1 and per_sentence[1] <= caps[1] // 7
+        assert stats.samples == stats.frames * SAMPLES_PER_FRAME
+        if per_sentence[1] == caps[1] // 7:  # the tiny model may stop sooner; once it ran to the cap: done
+            return
+    raise AssertionError("the second sentence never reached its cap")
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gateway.codec import SnacModel
@@ -21,12 +22,14 @@ WINDOW_FRAMES = (2, 3, 4, 5, 6)  # every window length of the defaults: context 
 CHECK_BATCHES = (1, 5, 64, 200, 256)
 TIME_BATCHES = (1, 16, 64, 128, 256)
 MAX_BATCH = 256
-TOLERANCE = 1e-3  # graph replay runs the same kernels; only nondeterministic reductions may differ
+TOLERANCE = 33  # int16 steps (1e-3 of full scale): graph replay runs the same kernels; only
+# nondeterministic reductions may differ
 REPEATS = 20
 
 
-def codes_for(batch: int, frames: int) -> list[torch.Tensor]:
-    return [torch.randint(0, 4096, (batch, frames * k), device="cuda") for k in (1, 2, 4)]
+def codes_for(batch: int, frames: int) -> np.ndarray:
+    """Random rows of `windows_to_layer_codes`: [batch, 7 * frames]."""
+    return np.random.default_rng(batch * 100 + frames).integers(0, 4096, (batch, 7 * frames), dtype=np.int64)
 
 
 def median_ms(fn) -> float:  # type: ignore[no-untyped-def]
@@ -60,18 +63,20 @@ def main() -> int:
     report: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "capture_s": round(time.perf_counter() - t0, 2),
                                  "max_abs_diff": {}, "ms_per_batch": {}}
     ok = True
-    with torch.inference_mode():
-        for frames, graphed in graphs.items():
-            for batch in CHECK_BATCHES:
-                codes = codes_for(batch, frames)
-                diff = float((graphed(codes) - snac.model.decode(codes)).abs().max())
-                report["max_abs_diff"][f"{frames}f-B{batch}"] = diff  # type: ignore[index]
-                ok &= diff <= TOLERANCE
-            for batch in TIME_BATCHES:
-                codes = codes_for(batch, frames)
-                report["ms_per_batch"][f"{frames}f-B{batch}"] = {  # type: ignore[index]
-                    "eager": median_ms(lambda c=codes: snac.model.decode(c)),
-                    "graph": median_ms(lambda c=codes, g=graphed: g(c))}
+    # The gateway's calls, host copies included: codes in from host memory, int16 PCM back in host memory.
+    for frames in graphs:
+        for batch in CHECK_BATCHES:
+            codes = codes_for(batch, frames)
+            graphed = snac.decode_codes(codes, frames).astype(np.int32)
+            eager = snac.decode_codes(codes, frames, use_graphs=False).astype(np.int32)
+            diff = int(np.abs(graphed - eager).max())
+            report["max_abs_diff"][f"{frames}f-B{batch}"] = diff  # type: ignore[index]
+            ok &= diff <= TOLERANCE
+        for batch in TIME_BATCHES:
+            codes = codes_for(batch, frames)
+            report["ms_per_batch"][f"{frames}f-B{batch}"] = {  # type: ignore[index]
+                "eager": median_ms(lambda c=codes, f=frames: snac.decode_codes(c, f, use_graphs=False)),
+                "graph": median_ms(lambda c=codes, f=frames: snac.decode_codes(c, f))}
     report["ok"] = ok
     out.mkdir(parents=True, exist_ok=True)
     (out / "snac_check.json").write_text(json.dumps(report, indent=1))

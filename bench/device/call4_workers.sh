@@ -1,0 +1,52 @@
+#!/bin/bash
+# Device call 4+ (same warm machine, after calls 1 and 2, and call 3 once for the gw2 wheels): the production
+# layout, `serve --workers W` with its own `vllm serve`, measured by `bench.run --gateway-url` from K client
+# processes on the same host.
+# env: NAME (output folder), WORKERS (8), SERVE_ARGS (extra gateway flags), BENCH_ARGS (bench.run flags),
+#      READY_TIMEOUT (s, 300), BENCH_TIMEOUT (s, 420)
+REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree
+cd $SRC
+T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-workers}; WORKERS=${WORKERS:-8}; mkdir -p $OUT/$NAME
+[ -d /tmp/site/av ] || { echo "gateway wheels missing: run call 3 first"; exit 3; }
+export PYTHONPATH=/tmp/site:$SRC VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+       PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ORPHEUS_GATEWAY_WORKER_SOCKETS=/tmp/gw-sockets
+rm -rf /tmp/gw-sockets && mkdir -p /tmp/gw-sockets
+PORT=8800
+GRAPHS=""; [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
+setsid python3 -m gateway serve --workers $WORKERS --host 127.0.0.1 --port $PORT --model /tmp/orpheus-struct \
+  --snac-model /tmp/orpheus-struct/snac --log-level warning $GRAPHS $SERVE_ARGS > $OUT/$NAME/serve.log 2>&1 &
+SERVE_PID=$!
+python3 - $WORKERS ${READY_TIMEOUT:-300} <<'EOF'
+import asyncio, sys, time
+import aiohttp
+from gateway.workers import socket_path
+
+async def main(workers: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for index in range(workers):
+        while True:
+            if time.monotonic() > deadline:
+                sys.exit(f"worker {index} not ready after {timeout} s")
+            try:
+                connector = aiohttp.UnixConnector(path=str(socket_path("/tmp/gw-sockets", index)))
+                async with aiohttp.ClientSession(connector=connector) as http, http.get("http://w/readyz") as r:
+                    if r.status == 200:
+                        break
+            except (aiohttp.ClientError, OSError):
+                pass
+            await asyncio.sleep(1)
+
+asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
+EOF
+RC=$?
+echo "workers ready rc=$RC after $(( $(date +%s) - T0 ))s"
+if [ $RC -eq 0 ]; then
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --out $OUT/$NAME $BENCH_ARGS \
+    > $OUT/$NAME/bench.log 2>&1
+  echo "bench rc=$?"
+  grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/bench.log | tail -c 7000
+fi
+kill -TERM -- -$SERVE_PID 2>/dev/null; sleep 5; kill -KILL -- -$SERVE_PID 2>/dev/null
+grep -vE "Capturing CUDA|^\s*$" $OUT/$NAME/serve.log | tail -c 3000
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+echo "call4 total $(( $(date +%s) - T0 ))s"
