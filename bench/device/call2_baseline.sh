@@ -1,11 +1,13 @@
 #!/bin/bash
 # Device call 2: unpack vLLM part B, then the bare-vLLM baseline on the same model and card.
-# carry: .devcarry/cur2 .devcarry/bench      env: BENCH_N, BENCH_N_SHORT, BENCH_DEADLINE as in call2.sh
+# carry: .devcarry/cur2 .devcarry/bench      env: BENCH_N, BENCH_N_SHORT, BENCH_DEADLINE as in call2.sh;
+#        SKIP_BASELINE=1 only unpacks (the bench's own vllm level is the same-run ceiling)
 REPO=$(pwd); DC=$REPO/.devcarry; T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 [ -f /tmp/site/vllm/__init__.py ] || { echo "part A missing: run call 1 first (machine went back?)"; exit 3; }
 ( cd /tmp/site && tar -xJf $DC/cur2/siteB.tar.xz )
 echo "unpacked B in $(( $(date +%s) - T0 ))s"
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+[ -n "$SKIP_BASELINE" ] && { echo "baseline skipped (SKIP_BASELINE)"; exit 0; }
 timeout ${BENCH_TIMEOUT:-520} python3 $DC/bench/bench_vllm.py /tmp/orpheus-struct $OUT ${BENCH_DEADLINE:-450} > $OUT/vllm.log 2>&1
 echo "bench rc=$?"
 grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn" $OUT/vllm.log | tail -c 5000
