@@ -2,31 +2,41 @@
 # Device call 4+ (same warm machine, after calls 1 and 2, and call 3 once for the gw2 wheels): the production
 # layout, `serve --workers W` with its own `vllm serve`, measured by `bench.run --gateway-url` from K client
 # processes on the same host.
+# carry: .devcarry/snap, and .devcarry/gw2 + .devcarry/pool the first time (bench/device/README.md)
 # env: NAME (output folder), WORKERS (8), SERVE_ARGS (extra gateway flags), BENCH_ARGS (bench.run flags),
 #      READY_TIMEOUT (s, 300), BENCH_TIMEOUT (s, 420)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree
 cd $SRC
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-workers}; WORKERS=${WORKERS:-8}; mkdir -p $OUT/$NAME
-[ -d /tmp/site/av ] || { echo "gateway wheels missing: run call 3 first"; exit 3; }
+[ -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ] || { echo "vLLM part B missing: run calls 1 and 2 first"; exit 3; }
+if ls $DC/gw2/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/av ]; then  # carry .devcarry/gw2 unless call 3 ran
+  python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site $DC/gw2/*.whl
+fi
+[ -d /tmp/site/av ] || { echo "gateway wheels missing: carry .devcarry/gw2"; exit 3; }
 export PYTHONPATH=/tmp/site:$SRC VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ORPHEUS_GATEWAY_WORKER_SOCKETS=/tmp/gw-sockets
 rm -rf /tmp/gw-sockets && mkdir -p /tmp/gw-sockets
 PORT=8800
+if [ -d $DC/pool ]; then  # carry .devcarry/pool (wheels): what `vllm serve` imports beyond the slim tree
+  python3 bench/device/serve_deps.py $DC/pool /tmp/site || exit 4
+fi
 GRAPHS=""; [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
 setsid python3 -m gateway serve --workers $WORKERS --host 127.0.0.1 --port $PORT --model /tmp/orpheus-struct \
   --snac-model /tmp/orpheus-struct/snac --log-level warning $GRAPHS $SERVE_ARGS > $OUT/$NAME/serve.log 2>&1 &
 SERVE_PID=$!
-python3 - $WORKERS ${READY_TIMEOUT:-300} <<'EOF'
+python3 - $WORKERS ${READY_TIMEOUT:-300} $OUT/$NAME/serve.log <<'EOF'
 import asyncio, sys, time
 import aiohttp
 from gateway.workers import socket_path
 
-async def main(workers: int, timeout: float) -> None:
+async def main(workers: int, timeout: float, log: str) -> None:
     deadline = time.monotonic() + timeout
     for index in range(workers):
         while True:
             if time.monotonic() > deadline:
                 sys.exit(f"worker {index} not ready after {timeout} s")
+            if "exited with" in open(log, errors="replace").read():
+                sys.exit("a child exited during start-up (see serve.log)")
             try:
                 connector = aiohttp.UnixConnector(path=str(socket_path("/tmp/gw-sockets", index)))
                 async with aiohttp.ClientSession(connector=connector) as http, http.get("http://w/readyz") as r:
@@ -36,7 +46,7 @@ async def main(workers: int, timeout: float) -> None:
                 pass
             await asyncio.sleep(1)
 
-asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
+asyncio.run(main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]))
 EOF
 RC=$?
 echo "workers ready rc=$RC after $(( $(date +%s) - T0 ))s"
