@@ -143,7 +143,7 @@ def _decode_to_pcm(model: Any, codes: Any, frames: int) -> Any:
 
     bounds = [int(b) * frames for b in np.cumsum((0, *LAYER_CODES_PER_FRAME))]
     layers = [codes[:, a:b].contiguous() for a, b in itertools.pairwise(bounds)]
-    audio = model.decode(layers)[:, 0, :]
+    audio = model.decode(layers)[:, 0, :].float()
     return (audio.clamp(-1.0, 1.0) * INT16_MAX).to(torch.int16)
 
 
@@ -203,13 +203,15 @@ class SnacModel:
         self._graphed: list[_GraphedDecoder] = []
 
     @classmethod
-    def load(cls, name_or_path: str, device: str = "auto") -> SnacModel:
+    def load(cls, name_or_path: str, device: str = "auto", dtype: str = "float32") -> SnacModel:
+        """`dtype`: the decoder's weights and activations (bfloat16 halves its GPU time; the PCM is the
+        float32 result within a tolerance bench/device/snac_check.py measures)."""
         import torch
         from snac import SNAC
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = SNAC.from_pretrained(name_or_path).eval().to(device)
+        model = SNAC.from_pretrained(name_or_path).eval().to(device=device, dtype=getattr(torch, dtype))
         # Only the decoder is used; dropping the encoder saves memory on every worker.
         model.encoder = None
         return cls(model, device)

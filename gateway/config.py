@@ -19,6 +19,7 @@ from typing import Any
 
 ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
+SNAC_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -76,6 +77,8 @@ class GatewayConfig:
     repetition_penalty: float = _opt(1.1, "Repetition penalty (>= 1.1 keeps Orpheus from looping).")
     # --- codec ------------------------------------------------------------------------------------
     snac_device: str = _opt("auto", "Device for SNAC decoding: auto (cuda if present), cpu, cuda, cuda:N.")
+    snac_dtype: str = _opt("float32", "SNAC decoder precision: float32, bfloat16 (about half the GPU time; "
+                           "bench/device/snac_check.py measures the difference) or float16.")
     decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
     decode_first_lookahead_frames: int | None = _opt(None, "Right context of an utterance's first decode window; "
@@ -238,6 +241,7 @@ def validate(config: GatewayConfig) -> None:
         (0 <= config.jitter_buffer_ms <= 5000, "jitter_buffer_ms must be within 0..5000"),
         (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
+        (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
         (config.decode_first_lookahead_frames is None or config.decode_first_lookahead_frames >= 0,
          "decode_first_lookahead_frames must be >= 0"),
         (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),

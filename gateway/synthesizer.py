@@ -98,7 +98,7 @@ class Synthesizer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        snac = SnacModel.load(config.snac_model, config.snac_device)
+        snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)
         if config.snac_cuda_graphs:
             snac.capture_graphs(_windower(config).window_lengths(), config.decode_max_batch)
         decoder = DecodeBatcher(snac, config.decode_max_batch)

@@ -22,6 +22,8 @@ WINDOW_FRAMES = (2, 3, 4, 5, 6)  # every window length of the defaults: context 
 CHECK_BATCHES = (1, 5, 64, 200, 256)
 TIME_BATCHES = (1, 16, 64, 128, 256)
 MAX_BATCH = 256
+HALF_DTYPES = ("bfloat16", "float16")
+HALF_FRAMES = (3, 6)
 TOLERANCE = 33  # int16 steps (1e-3 of full scale): graph replay runs the same kernels; only
 # nondeterministic reductions may differ
 REPEATS = 20
@@ -77,6 +79,24 @@ def main() -> int:
             report["ms_per_batch"][f"{frames}f-B{batch}"] = {  # type: ignore[index]
                 "eager": median_ms(lambda c=codes, f=frames: snac.decode_codes(c, f, use_graphs=False)),
                 "graph": median_ms(lambda c=codes, f=frames: snac.decode_codes(c, f))}
+    # Half precision: the same windows through a bfloat16 / float16 copy of the decoder, as SNR against float32
+    # (random weights: the real checkpoint's audio must be checked by ear before a production default).
+    report["half"] = {}
+    for dtype in HALF_DTYPES:
+        half = SnacModel.load(snac_dir, "cuda", dtype)
+        _silence_noise(half.model)
+        half.capture_graphs(HALF_FRAMES, MAX_BATCH)
+        entry: dict[str, object] = {}
+        for frames in HALF_FRAMES:
+            codes = codes_for(64, frames)
+            ref = snac.decode_codes(codes, frames).astype(np.float64)
+            got = half.decode_codes(codes, frames).astype(np.float64)
+            noise = max(float(((ref - got) ** 2).sum()), 1e-9)
+            entry[f"{frames}f-snr_db"] = round(float(10 * np.log10(float((ref ** 2).sum()) / noise)), 1)
+            for batch in TIME_BATCHES:
+                timed = codes_for(batch, frames)
+                entry[f"{frames}f-B{batch}-ms"] = median_ms(lambda c=timed, f=frames, h=half: h.decode_codes(c, f))
+        report["half"][dtype] = entry  # type: ignore[index]
     report["ok"] = ok
     out.mkdir(parents=True, exist_ok=True)
     (out / "snac_check.json").write_text(json.dumps(report, indent=1))
