@@ -117,6 +117,12 @@ def sampling_params(config: GatewayConfig, max_tokens: int | None = None, seed: 
 
 WARMUP_TOKENS = 14  # two SNAC frames per warm-up request: enough decode steps at the burst's batch size
 WARMUP_TEXT_IDS = (40, 1097, 264, 8141, 13)  # any text ids: the shapes matter, not the words
+WARMUP_PROMPT = (*PROMPT_PREFIX, BOS_ID, *WARMUP_TEXT_IDS, *PROMPT_SUFFIX)
+
+
+def warmup_sizes(config: GatewayConfig) -> list[int]:
+    """The burst sizes of the start-up warm-up, within max_num_seqs."""
+    return sorted({min(n, config.max_num_seqs) for n in config.warmup_batch_sizes if n > 0})
 
 
 class EngineBase(abc.ABC):
@@ -131,6 +137,7 @@ class EngineBase(abc.ABC):
         self._ids = itertools.count()
         self._in_flight: set[str] = set()
         self.requests_started = 0  # every generate() call so far (tests, metrics)
+        self.warmed_up: list[int] = []  # batch sizes of the last start's warm-up
         self._ready = asyncio.Event()
 
     @abc.abstractmethod
@@ -180,7 +187,6 @@ class OrpheusEngine(EngineBase):
         self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
         self._watchdog: asyncio.Task[None] | None = None
         self._restart_lock = asyncio.Lock()
-        self.warmed_up: list[int] = []  # batch sizes of the last start's warm-up
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -210,7 +216,7 @@ class OrpheusEngine(EngineBase):
         """
         from vllm.inputs import TokensPrompt
 
-        sizes = sorted({min(n, self.config.max_num_seqs) for n in self.config.warmup_batch_sizes if n > 0})
+        sizes = warmup_sizes(self.config)
         self.warmed_up = sizes
         if not sizes:
             return
@@ -218,7 +224,7 @@ class OrpheusEngine(EngineBase):
         params = sampling_params(self.config, WARMUP_TOKENS)
         for size in sizes:
             async def one(i: int, size: int = size) -> None:
-                prompt = TokensPrompt(prompt_token_ids=[*PROMPT_PREFIX, BOS_ID, *WARMUP_TEXT_IDS, *PROMPT_SUFFIX])
+                prompt = TokensPrompt(prompt_token_ids=list(WARMUP_PROMPT))
                 async for _ in llm.generate(prompt, params, f"{self._id_prefix}-warmup-{size}-{i}"):
                     pass
 

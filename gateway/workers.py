@@ -141,6 +141,8 @@ async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
     """One worker: the whole gateway app on the shared public port and on its own Unix socket."""
     from gateway.server import create_app
 
+    if index > 0:  # the workers share one vLLM server: one warm-up is enough
+        config = dataclasses.replace(config, warmup_batch_sizes=[])
     app = create_app(config)
     app[GATEWAY_KEY].session_id_prefix = session_prefix(index)
     app.middlewares.append(forward_to_owner)
