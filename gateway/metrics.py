@@ -1,19 +1,25 @@
 """Prometheus metrics of one gateway process, served at `GET /metrics`.
 
-Each gateway owns its registry (not the global one) so several apps can live in one process (tests).
+Each gateway owns its registry (not the global one) so several apps can live in one process (tests). Under
+`serve --workers` any worker answers `/metrics` for all of them (`merge_worker_expositions`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
+WORKER_LABEL = "worker"
+METRICS_PATH = "/metrics"
 
 
 class Metrics:
@@ -67,3 +73,27 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Families:
+    """Metric families to render with `generate_latest` (it only needs `collect()`)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def merge_worker_expositions(texts: Mapping[str, str]) -> bytes:
+    """One exposition of several gateway processes' metrics (`serve --workers`), each sample labelled
+    `worker="<name>"`: `sum by (...)` in Prometheus gives the gateway-wide figure."""
+    merged: dict[str, Metric] = {}
+    for worker, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            target = merged.get(family.name)
+            if target is None:
+                target = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            target.samples += [Sample(s.name, {**s.labels, WORKER_LABEL: worker}, s.value, s.timestamp, s.exemplar)
+                               for s in family.samples]
+    return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]

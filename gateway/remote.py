@@ -64,6 +64,7 @@ class RemoteServer:
     requests: int = 0  # streams sent here so far
     taken_out: int = 0  # times it was taken out of routing
     last_error: str | None = None
+    warmed_up: bool = False  # the start-up bursts ran since it (re)joined
 
 
 class _ServerUnusableError(Exception):
@@ -101,29 +102,7 @@ class RemoteEngine(EngineBase):
         if not self.ready:
             log.warning("no vLLM server answers yet (%s); ready once one does",
                         ", ".join(f"{s.url}: {s.last_error}" for s in self.servers))
-        else:
-            await self._warm_up()
         self._watchdog = asyncio.create_task(self._watch(), name="remote-engine-health")
-
-    async def _warm_up(self) -> None:
-        """The in-process engine's start-up bursts (`warmup_batch_sizes`), through the servers: a fresh `vllm
-        serve` also compiles on its first burst of each new batch size (measured on an H200 behind `serve
-        --workers`: first request 1.2 s, first burst of 64 5.9 s). A failure only costs that first wait."""
-        sizes = warmup_sizes(self.config)
-        self.warmed_up = sizes
-        t0 = time.monotonic()
-        try:
-            for size in sizes:
-                async def one() -> None:
-                    async for _ in self.generate(WARMUP_PROMPT, max_tokens=WARMUP_TOKENS):
-                        pass
-
-                await asyncio.gather(*(one() for _ in range(size)))
-        except Exception as exc:
-            log.warning("vLLM warm-up stopped: %s", exc)
-            return
-        if sizes:
-            log.info("vLLM warm-up at batch sizes %s in %.1f s", sizes, time.monotonic() - t0)
 
     async def close(self) -> None:
         self._set_state(EngineState.CLOSED)
@@ -162,10 +141,34 @@ class RemoteEngine(EngineBase):
                     raise _ServerUnusableError(f"/health answered {response.status}")
             if server.model is None:
                 server.model = await self._served_model(session, server, timeout)
+            if not server.warmed_up:
+                await self._warm_up(session, server)
         except (aiohttp.ClientError, asyncio.TimeoutError, _ServerUnusableError) as exc:
             self._take_out(server, _describe(exc))
             return
         self._put_back(server)
+
+    async def _warm_up(self, session: aiohttp.ClientSession, server: RemoteServer) -> None:
+        """The in-process engine's start-up bursts (`warmup_batch_sizes`), before the server takes users: a
+        fresh `vllm serve` JIT-compiles its sampling kernels on first use (measured on an H200 behind `serve
+        --workers`: first request 1.2 s, first burst of 64 5.3 s). Runs again after the server comes back."""
+        sizes = warmup_sizes(self.config)
+        t0 = time.monotonic()
+
+        async def one(size: int, i: int) -> None:
+            body = self._request_body(WARMUP_PROMPT, f"{self._id_prefix}-warmup-{size}-{i}", WARMUP_TOKENS, None, 0)
+            response = await self._post(session, server, body)
+            try:
+                await response.read()
+            finally:
+                response.release()
+
+        for size in sizes:
+            await asyncio.gather(*(one(size, i) for i in range(size)))
+        server.warmed_up = True
+        self.warmed_up = sizes
+        if sizes:
+            log.info("vLLM server %s warmed up at batch sizes %s in %.1f s", server.url, sizes, time.monotonic() - t0)
 
     async def _served_model(self, session: aiohttp.ClientSession, server: RemoteServer,
                             timeout: aiohttp.ClientTimeout) -> str:
@@ -189,6 +192,7 @@ class RemoteEngine(EngineBase):
             server.taken_out += 1
         server.healthy = False
         server.model = None  # learn it again when the server is back: it may have been restarted with another
+        server.warmed_up = False
         server.last_error = reason
         self._update_state()
 

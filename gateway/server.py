@@ -31,7 +31,7 @@ from gateway.http import (
     read_json_object,
 )
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.metrics import Metrics
+from gateway.metrics import METRICS_PATH, Metrics
 from gateway.orpheus import SAMPLE_RATE
 from gateway.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
 
@@ -45,7 +45,6 @@ ENGINE_RETRY_AFTER_S = 5  # an engine (re)start takes tens of seconds; ask again
 # Access: these stay open whatever the auth settings (probes, the public page); everything else needs a token.
 PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz"})
 PUBLIC_PREFIXES = ("/static/",)
-METRICS_PATH = "/metrics"
 QUERY_TOKEN_PATHS = frozenset({OFFER_PATH, ICE_SERVERS_PATH})  # clients that cannot set headers: ?token= here
 BEARER_PREFIX = "bearer "
 FORWARDED_HOST_HEADER = "X-Forwarded-Host"

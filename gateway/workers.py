@@ -40,6 +40,8 @@ from aiohttp import web
 
 from gateway.config import GatewayConfig, validate
 from gateway.http import GATEWAY_KEY, json_error
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import METRICS_PATH, merge_worker_expositions
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,10 @@ def free_port(host: str = LOOPBACK) -> int:
 
 @web.middleware
 async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResponse:
-    """A request about another worker's session goes to that worker, over its Unix socket."""
+    """A request about another worker's session goes to that worker, over its Unix socket; `/metrics` gathers
+    every worker's."""
+    if request.path == METRICS_PATH and FORWARDED_HEADER not in request.headers:
+        return await all_workers_metrics(request, handler)
     match = SESSION_PATH.match(request.path)
     gateway = request.app[GATEWAY_KEY]
     if match is None or match.group(1).startswith(gateway.session_id_prefix):
@@ -137,12 +142,44 @@ async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResp
         return json_error(503, "worker_unavailable", f"the worker holding this session ({owner}) does not answer")
 
 
+async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamResponse:
+    """This worker's metrics and every other worker's (asked over their Unix sockets), each sample labelled
+    with its worker; a worker that does not answer is left out (`orpheus_metrics_workers` says how many did)."""
+    local = await handler(request)
+    gateway = request.app[GATEWAY_KEY]
+    own = gateway.session_id_prefix.strip("-")
+    folder = os.environ.get(WORKER_SOCKETS_ENV, "")
+    if local.status != 200 or not folder or not isinstance(local, web.Response) or local.body is None:
+        return local  # refused (auth) or not under the supervisor: as a single gateway answers
+    headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+    headers[FORWARDED_HEADER] = own
+    others = await asyncio.to_thread(lambda: sorted(p for p in Path(folder).glob("w*.sock") if p.stem != own))
+
+    async def fetch(path: Path) -> tuple[str, str | None]:
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)),
+                                             timeout=aiohttp.ClientTimeout(FORWARD_TIMEOUT_S)) as http, \
+                    http.get(f"http://worker{METRICS_PATH}", headers=headers) as resp:
+                return path.stem, (await resp.text()) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return path.stem, None
+
+    texts = {own: bytes(local.body).decode()}  # type: ignore[arg-type]
+    texts.update({name: text for name, text in await asyncio.gather(*(fetch(p) for p in others)) if text})
+    body = merge_worker_expositions(texts)
+    body += (f"# HELP orpheus_metrics_workers Gateway workers (Unix sockets) and how many answered here.\n"
+             f"# TYPE orpheus_metrics_workers gauge\n"
+             f'orpheus_metrics_workers{{state="answered"}} {len(texts)}.0\n'
+             f'orpheus_metrics_workers{{state="expected"}} {len(others) + 1}.0\n').encode()
+    response = web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+    response.headers[WORKER_HEADER] = own
+    return response
+
+
 async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
     """One worker: the whole gateway app on the shared public port and on its own Unix socket."""
     from gateway.server import create_app
 
-    if index > 0:  # the workers share one vLLM server: one warm-up is enough
-        config = dataclasses.replace(config, warmup_batch_sizes=[])
     app = create_app(config)
     app[GATEWAY_KEY].session_id_prefix = session_prefix(index)
     app.middlewares.append(forward_to_owner)

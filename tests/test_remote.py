@@ -168,6 +168,16 @@ async def other_engine(synth: Synthesizer, config: GatewayConfig) -> AsyncIterat
 
 
 @pytest.mark.engine
+async def test_server_is_warmed_up_before_it_takes_users(remote_synth: Synthesizer) -> None:
+    """The start-up bursts (tests: one burst of 2) ran against the server before the engine was ready."""
+    engine = remote_synth.engine
+    assert isinstance(engine, RemoteEngine)
+    assert engine.warmed_up == [2]
+    assert all(server.warmed_up for server in engine.servers if server.healthy)
+    assert engine.unfinished_requests() == 0
+
+
+@pytest.mark.engine
 async def test_remote_engine_streams_audio_ids(remote_synth: Synthesizer) -> None:
     prompt = build_prompt(remote_synth.tokenizer, "tara", "Hello.")
     deltas = [delta async for delta in remote_synth.engine.generate(prompt, max_tokens=70, seed=1)]

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import HeadlessPeer
 from gateway.workers import FORWARDED_HEADER, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
@@ -137,6 +138,15 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
                     assert status == 204
     finally:
         await asyncio.gather(*(p.close() for p in peers), return_exceptions=True)
+
+    # Metrics from any worker cover all: each sample labelled with its worker, both workers' sessions counted.
+    async with aiohttp.ClientSession() as http, http.get(f"{workers.url}/metrics") as resp:
+        assert resp.status == 200
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    opened = {s.labels["worker"]: s.value for s in families["orpheus_sessions"].samples if s.name.endswith("_total")}
+    assert set(opened) == {"w0", "w1"} and sum(opened.values()) >= len(peers)
+    answered = {s.labels["state"]: s.value for s in families["orpheus_metrics_workers"].samples}
+    assert answered == {"answered": WORKERS, "expected": WORKERS}
 
 
 async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
