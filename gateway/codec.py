@@ -85,9 +85,11 @@ class StreamWindower:
         context)."""
         return max(0, self.received - self.emitted - (0 if final else self._lookahead()))
 
-    def take(self, final: bool = False) -> DecodeWindow | None:
-        """The next window: up to `max_hop` ready frames, or None while fewer than `hop` are ready (the first
-        window and the final ones go with fewer: first audio as soon as possible, then the tail)."""
+    def take(self, final: bool = False, patient: bool = False) -> DecodeWindow | None:
+        """The next window: up to `max_hop` ready frames, or None while fewer than `hop` are ready (`max_hop`
+        when `patient`: a stream far enough ahead of real time waits for a whole window, which recomputes
+        less context per new frame). The first window and the final ones go with fewer: first audio as soon
+        as possible, then the tail."""
         ready = self.ready(final)
         if ready <= 0:
             return None
@@ -95,7 +97,7 @@ class StreamWindower:
             count = min(ready, self.max_hop)
         elif self.emitted == 0:
             count = min(ready, self.hop)
-        elif ready >= self.hop:
+        elif ready >= (self.max_hop if patient else self.hop):
             count = min(ready, self.max_hop)
         else:
             return None
@@ -108,12 +110,12 @@ class StreamWindower:
             self._offset += drop
         return window
 
-    def take_round(self, final: bool = False) -> list[DecodeWindow]:
+    def take_round(self, final: bool = False, patient: bool = False) -> list[DecodeWindow]:
         """The windows of one decode round: normally one (or none). A stream more than `max_hop` frames
         behind catches up in whole `max_hop` windows (all of one length, so they share a batch); `final`
         takes everything left."""
         windows: list[DecodeWindow] = []
-        while (window := self.take(final)) is not None:
+        while (window := self.take(final, patient)) is not None:
             windows.append(window)
             if not final and self.ready() < self.max_hop:
                 break

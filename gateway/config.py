@@ -89,6 +89,10 @@ class GatewayConfig:
     decode_max_hop_frames: int = _opt(4, "Most new frames a decode window emits: a stream's next window covers every "
                                       "frame that arrived while its last decode ran, up to this (adaptive hop; "
                                       "1 = always one). Raised to decode_hop_frames if lower.")
+    decode_patient_lead_ms: float = _opt(600.0, "A stream whose audio out is this far ahead of real time decodes "
+                                         "only whole decode_max_hop_frames windows (3 -> 1.5 frames decoded per "
+                                         "new frame with the defaults), decoding what is ready anyway before "
+                                         "the lead falls below this; 0 = off.")
     decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
     # --- text -------------------------------------------------------------------------------------
@@ -247,6 +251,7 @@ def validate(config: GatewayConfig) -> None:
         (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
         (config.decode_max_hop_frames >= 1, "decode_max_hop_frames must be >= 1"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
+        (config.decode_patient_lead_ms >= 0, "decode_patient_lead_ms must be >= 0"),
         (config.stream_interval >= 1, "stream_interval must be >= 1"),
         (config.temperature >= 0, "temperature must be >= 0"),
         (0 < config.top_p <= 1, "top_p must be within (0, 1]"),

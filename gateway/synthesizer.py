@@ -88,6 +88,7 @@ class Synthesizer:
         self.decoder = decoder
         self.voices = list(config.voice_list)
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
+        self._patient_lead_s = config.decode_patient_lead_ms / 1000
 
     @classmethod
     def load(cls, config: GatewayConfig) -> Synthesizer:
@@ -247,16 +248,27 @@ class Synthesizer:
                       sentence: str, stats: UtteranceStats, chunks: asyncio.Queue[Any]) -> None:
         """Decode one sentence's frames into `chunks`, in order, with one decode round in flight: the frames
         that arrive meanwhile go into the next window (adaptive hop). Wakes on `arrived`; ends after the final
-        windows once `ended` is set."""
+        windows once `ended` is set.
+
+        A stream whose audio out leads real time by `decode_patient_lead_ms` waits for whole `max_hop`
+        windows (on an H200 a decode round returns before the next frame arrives, so without this every
+        window would emit one frame and recompute two); it decodes what is ready once its lead shrinks to
+        that margin, even if no frame arrives."""
         first = True
         while True:
             final = ended.is_set()
-            windows = windower.take_round(final)
+            spare_s = self._lead_s(stats) - self._patient_lead_s
+            patient = self._patient_lead_s > 0 and spare_s >= 0
+            windows = windower.take_round(final, patient)
             if not windows:
                 if final:
                     return
                 arrived.clear()
-                await arrived.wait()
+                if patient and windower.ready() > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(arrived.wait(), spare_s)
+                else:
+                    await arrived.wait()
                 continue
             if stats.first_window_at is None:
                 stats.first_window_at = time.monotonic()
@@ -264,6 +276,13 @@ class Synthesizer:
             last = final and windower.ready(final=True) == 0
             for i, samples in enumerate(pcm):
                 first = self._put(chunks, samples, index, sentence, first, stats, last=last and i == len(pcm) - 1)
+
+    @staticmethod
+    def _lead_s(stats: UtteranceStats) -> float:
+        """How far the utterance's audio out runs ahead of real time (0 before its first audio)."""
+        if stats.first_audio_at is None:
+            return 0.0
+        return stats.samples / SAMPLE_RATE - (time.monotonic() - stats.first_audio_at)
 
     def _put(self, chunks: asyncio.Queue[Any], pcm: np.ndarray, index: int, sentence: str, first: bool,
              stats: UtteranceStats, last: bool) -> bool:

@@ -66,10 +66,10 @@ arrivals = st.lists(st.tuples(st.integers(0, 6), st.booleans()), max_size=25)
 
 @FAST
 @given(context=st.integers(0, 2), lookahead=st.integers(0, 2), hop=st.integers(1, 3), extra=st.integers(0, 3),
-       first=st.one_of(st.none(), st.integers(0, 2)), ops=arrivals, rounds=st.booleans())
+       first=st.one_of(st.none(), st.integers(0, 2)), ops=arrivals, rounds=st.booleans(), patient=st.booleans())
 def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int, hop: int, extra: int,
                                                      first: int | None, ops: list[tuple[int, bool]],
-                                                     rounds: bool) -> None:
+                                                     rounds: bool, patient: bool) -> None:
     max_hop = hop + extra
     windower = StreamWindower(context, lookahead, hop, max_hop, first_lookahead=first)
     frames = make_frames(sum(k for k, _ in ops), seed=len(ops))
@@ -87,6 +87,8 @@ def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int
             assert window.length - window.keep_from - window.keep_count == right, "right context waited for"
             if before > 0:
                 assert window.keep_count >= hop
+                if patient:
+                    assert window.keep_count == max_hop, "a patient stream decodes whole windows"
             if before == 0 or before >= context:
                 assert window.length in lengths, "a length CUDA graphs are captured for"
         emitted.extend(kept(window))
@@ -95,7 +97,8 @@ def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int
         windower.push(frames[pushed:pushed + count])
         pushed += count
         if take:
-            taken = windower.take_round() if rounds else [w for w in [windower.take()] if w is not None]
+            taken = (windower.take_round(patient=patient) if rounds
+                     else [w for w in [windower.take(patient=patient)] if w is not None])
             for w in taken:
                 check(w, final=False)
             if rounds and taken:

@@ -169,6 +169,29 @@ async def test_adaptive_hop_emits_every_frame_once_and_cancels_cleanly(synthesiz
     await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
 
 
+async def test_a_stream_ahead_of_real_time_decodes_whole_windows(synthesizer: Synthesizer,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Far enough ahead (the lead is forced: the tiny model on 2 cores is slower than real time), every window
+    after the first waits for max_hop new frames; all frames still come out exactly once."""
+    spy = SlowDecoder(synthesizer.decoder, delay_s=0.0)
+    synth = Synthesizer(synthesizer.config, synthesizer.engine, synthesizer.tokenizer, spy)  # type: ignore[arg-type]
+    monkeypatch.setattr(Synthesizer, "_lead_s", staticmethod(lambda stats: 60.0))
+    max_hop = synth.config.decode_max_hop_frames
+    for seed in range(20, 40):
+        spy.rounds.clear()
+        stats = UtteranceStats()
+        pcm = [c.pcm async for c in synth.utterance("Hello there, patiently.", "tara", seed=seed, stats=stats)]
+        assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(p) for p in pcm)
+        hops = [h for r in spy.rounds for h in r]
+        assert sum(hops) == stats.frames
+        if stats.frames >= 2 * max_hop + 2:
+            break
+    assert stats.frames >= 2 * max_hop + 2
+    assert hops[0] == 1, "first audio still from a one-frame window"
+    assert all(h == max_hop for h in hops[1:-2]), f"whole windows in between: {hops}"
+    assert sentence_tasks() == []
+
+
 async def test_tokens_per_char_caps_each_sentence(synthesizer: Synthesizer) -> None:
     """--max-tokens-per-char: each sentence stops at its own cap (whole frames), the first and last frame
     still become audio."""
