@@ -77,6 +77,11 @@ class StreamWindower:
     def push(self, frames: Sequence[Frame]) -> None:
         self._frames.extend(frames)
 
+    def start_early(self) -> None:
+        """Let the first window go without its right context (the caller knows the next frames come soon)."""
+        if self.emitted == 0:
+            self.first_lookahead = 0
+
     def _lookahead(self) -> int:
         return self.first_lookahead if self.emitted == 0 else self.lookahead
 
@@ -121,10 +126,12 @@ class StreamWindower:
                 break
         return windows
 
-    def window_lengths(self) -> list[int]:
-        """The window lengths a stream uses (for CUDA graph capture): first windows, steady windows of
-        `hop`..`max_hop` new frames, and the last window of a sentence (no right context)."""
-        first = {count + self.first_lookahead for count in range(1, self.hop + 1)}
+    def window_lengths(self, early_start: bool = False) -> list[int]:
+        """The window lengths a stream uses (for CUDA graph capture): first windows (also without right
+        context with `early_start`), steady windows of `hop`..`max_hop` new frames, and the last window of a
+        sentence (no right context)."""
+        first = {count + lookahead for count in range(1, self.hop + 1)
+                 for lookahead in {self.first_lookahead, *((0,) if early_start else ())}}
         steady = {self.context + count + self.lookahead for count in range(self.hop, self.max_hop + 1)}
         last = {self.context + count for count in range(1, self.max_hop + 1)}
         return sorted(first | steady | last)

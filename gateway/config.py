@@ -81,10 +81,10 @@ class GatewayConfig:
                            "bench/device/snac_check.py measures the difference) or float16.")
     decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
-    decode_first_lookahead_frames: int | None = _opt(None, "Right context of an utterance's first decode window; "
-                                                     "default: decode_lookahead_frames. 0 plays the first frame "
-                                                     "one frame (7 tokens) sooner, but the second frame then "
-                                                     "needs two frames' tokens within one frame's playing time.")
+    decode_fast_start_ms: float = _opt(65.0, "Play an utterance's first frame without waiting for its lookahead "
+                                       "frame (7 tokens sooner) when the stream's first tokens came fast enough "
+                                       "that the next two frames' tokens arrive within this many ms (the first "
+                                       "frame plays 85 ms); 0 = off.")
     decode_hop_frames: int = _opt(1, "Fewest new frames a decode window emits once streaming (the hop at light load).")
     decode_max_hop_frames: int = _opt(4, "Most new frames a decode window emits: a stream's next window covers every "
                                       "frame that arrived while its last decode ran, up to this (adaptive hop; "
@@ -246,8 +246,7 @@ def validate(config: GatewayConfig) -> None:
         (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
         (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
-        (config.decode_first_lookahead_frames is None or config.decode_first_lookahead_frames >= 0,
-         "decode_first_lookahead_frames must be >= 0"),
+        (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
         (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
         (config.decode_max_hop_frames >= 1, "decode_max_hop_frames must be >= 1"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),

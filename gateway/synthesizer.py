@@ -22,7 +22,14 @@ import numpy as np
 from gateway.codec import DecodeBatcher, SnacModel, StreamWindower
 from gateway.config import GatewayConfig
 from gateway.engine import EngineBase, OrpheusEngine
-from gateway.orpheus import SAMPLE_RATE, AudioTokenParser, build_prompt, sentence_token_cap, split_sentences
+from gateway.orpheus import (
+    SAMPLE_RATE,
+    SLOTS_PER_FRAME,
+    AudioTokenParser,
+    build_prompt,
+    sentence_token_cap,
+    split_sentences,
+)
 from gateway.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
@@ -89,6 +96,7 @@ class Synthesizer:
         self.voices = list(config.voice_list)
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
         self._patient_lead_s = config.decode_patient_lead_ms / 1000
+        self._fast_start_s = config.decode_fast_start_ms / 1000
 
     @classmethod
     def load(cls, config: GatewayConfig) -> Synthesizer:
@@ -101,7 +109,8 @@ class Synthesizer:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)
         if config.snac_cuda_graphs:
-            snac.capture_graphs(_windower(config).window_lengths(), config.decode_max_batch)
+            snac.capture_graphs(_windower(config).window_lengths(early_start=config.decode_fast_start_ms > 0),
+                                config.decode_max_batch)
         decoder = DecodeBatcher(snac, config.decode_max_batch)
         engine: EngineBase
         if config.vllm_urls:
@@ -213,13 +222,22 @@ class Synthesizer:
             if self.config.max_tokens_per_char > 0:
                 max_tokens = sentence_token_cap(len(sentence), self.config.max_tokens_per_char,
                                                 max_tokens or self.config.max_tokens)
+            first_token_at: float | None = None
+            tokens = 0
             async with contextlib.aclosing(self.engine.generate(prompt, max_tokens=max_tokens, seed=seed)) as ids:
                 async for token_ids in ids:
-                    if stats.first_token_at is None:
-                        stats.first_token_at = time.monotonic()
+                    now = time.monotonic()
+                    if first_token_at is None:
+                        first_token_at = now
+                        if stats.first_token_at is None:
+                            stats.first_token_at = now
+                    tokens += len(token_ids)
                     stats.tokens += len(token_ids)
                     frames = parser.feed(token_ids)
                     if frames:
+                        if windower.received == 0 and stats.first_audio_at is None and \
+                                self._next_frames_in_time(tokens, now - first_token_at):
+                            windower.start_early()
                         windower.push(frames)
                         arrived.set()
                     if decoding.done():  # a decode failed: stop generating (awaiting it below raises the error)
@@ -277,6 +295,16 @@ class Synthesizer:
             for i, samples in enumerate(pcm):
                 first = self._put(chunks, samples, index, sentence, first, stats, last=last and i == len(pcm) - 1)
 
+    def _next_frames_in_time(self, tokens: int, since_first_token_s: float) -> bool:
+        """Early start: at this token rate, do the tokens the second frame's window needs (that frame and its
+        lookahead) arrive within `decode_fast_start_ms`? The first frame plays 85 ms, so then the second is
+        decoded before the first has played out."""
+        if self._fast_start_s <= 0 or tokens < 2:
+            return False
+        per_token_s = since_first_token_s / (tokens - 1)
+        needed = (2 + self.config.decode_lookahead_frames) * SLOTS_PER_FRAME
+        return (needed - tokens) * per_token_s <= self._fast_start_s
+
     @staticmethod
     def _lead_s(stats: UtteranceStats) -> float:
         """How far the utterance's audio out runs ahead of real time (0 before its first audio)."""
@@ -305,7 +333,7 @@ class Synthesizer:
 
 def _windower(config: GatewayConfig) -> StreamWindower:
     return StreamWindower(config.decode_context_frames, config.decode_lookahead_frames, config.decode_hop_frames,
-                          config.decode_max_hop_frames, config.decode_first_lookahead_frames)
+                          config.decode_max_hop_frames)
 
 
 async def _aiter(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:

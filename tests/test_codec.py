@@ -110,13 +110,17 @@ def test_any_arrival_pattern_emits_every_frame_once(context: int, lookahead: int
 
 
 def test_first_window_may_skip_its_lookahead() -> None:
-    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4, first_lookahead=0)
+    windower = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4)
+    windower.start_early()
     windower.push(make_frames(1))
     first = windower.take()
     assert first is not None and first.length == 1 and first.keep_count == 1, "first frame at once"
     windower.push(make_frames(1, seed=1))
     assert windower.take() is None, "later frames wait for their lookahead"
-    assert 1 in windower.window_lengths()
+    windower.start_early()  # too late: no effect once audio went out
+    assert windower.first_lookahead == 0 and windower.ready() == 0
+    fresh = StreamWindower(context=1, lookahead=1, hop=1, max_hop=4)
+    assert 1 not in fresh.window_lengths() and 1 in fresh.window_lengths(early_start=True)
 
 
 def test_first_audio_waits_only_for_lookahead() -> None:

@@ -118,10 +118,12 @@ class SlowDecoder:
         self.decoder = decoder
         self.delay_s = delay_s
         self.rounds: list[list[int]] = []  # new frames of each window, per round
+        self.lengths: list[int] = []  # frames of each window, in order
         self.in_flight = 0
 
     async def decode_many(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
         self.rounds.append([w.keep_count for w in windows])
+        self.lengths += [w.length for w in windows]
         self.in_flight += 1
         try:
             await asyncio.sleep(self.delay_s)
@@ -190,6 +192,27 @@ async def test_a_stream_ahead_of_real_time_decodes_whole_windows(synthesizer: Sy
     assert hops[0] == 1, "first audio still from a one-frame window"
     assert all(h == max_hop for h in hops[1:-2]), f"whole windows in between: {hops}"
     assert sentence_tasks() == []
+
+
+@pytest.mark.parametrize(("fast_start_ms", "first_length"), [(0.0, 2), (1e6, 1)])
+async def test_first_frame_starts_early_only_when_the_next_frames_come_in_time(
+        synthesizer: Synthesizer, fast_start_ms: float, first_length: int) -> None:
+    """The first window skips its lookahead frame only when the token rate says frames 2 and 3 arrive within
+    decode_fast_start_ms (forced here both ways: 0 = never, 1e6 ms = always); every frame still plays once."""
+    spy = SlowDecoder(synthesizer.decoder, delay_s=0.0)
+    config = dataclasses.replace(synthesizer.config, decode_fast_start_ms=fast_start_ms)
+    synth = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, spy)  # type: ignore[arg-type]
+    for seed in range(20, 40):
+        spy.lengths.clear()
+        spy.rounds.clear()
+        stats = UtteranceStats()
+        pcm = [c.pcm async for c in synth.utterance("Hello there.", "tara", seed=seed, stats=stats)]
+        if stats.frames >= 3:
+            break
+    assert stats.frames >= 3
+    assert spy.lengths[0] == first_length and spy.rounds[0] == [1]
+    assert sum(h for r in spy.rounds for h in r) == stats.frames
+    assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(p) for p in pcm)
 
 
 async def test_tokens_per_char_caps_each_sentence(synthesizer: Synthesizer) -> None:
