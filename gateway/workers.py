@@ -56,6 +56,7 @@ STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
 FORWARD_TIMEOUT_S = 10.0
+METRICS_FETCH_TIMEOUT_S = 2.0  # a hung worker is left out of /metrics, well inside Prometheus' 10 s scrape timeout
 
 
 def session_prefix(index: int) -> str:
@@ -158,7 +159,7 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
     async def fetch(path: Path) -> tuple[str, str | None]:
         try:
             async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)),
-                                             timeout=aiohttp.ClientTimeout(FORWARD_TIMEOUT_S)) as http, \
+                                             timeout=aiohttp.ClientTimeout(METRICS_FETCH_TIMEOUT_S)) as http, \
                     http.get(f"http://worker{METRICS_PATH}", headers=headers) as resp:
                 return path.stem, (await resp.text()) if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
