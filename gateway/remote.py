@@ -163,8 +163,11 @@ class RemoteEngine(EngineBase):
             finally:
                 response.release()
 
-        for size in sizes:
-            await asyncio.gather(*(one(size, i) for i in range(size)))
+        try:
+            for size in sizes:
+                await asyncio.gather(*(one(size, i) for i in range(size)))
+        except EngineRequestError as exc:  # refused (a server setting): warming up cannot fix it; serve anyway
+            log.warning("vLLM server %s refused the warm-up: %s", server.url, exc)
         server.warmed_up = True
         self.warmed_up = sizes
         if sizes:
