@@ -150,7 +150,7 @@ def _decode_to_pcm(model: Any, codes: Any, frames: int) -> Any:
     """SNAC-decode rows of `windows_to_layer_codes` into int16 PCM [batch, samples], all on the device."""
     import torch
 
-    bounds = [int(b) * frames for b in np.cumsum((0, *LAYER_CODES_PER_FRAME))]
+    bounds = [b * frames for b in itertools.accumulate((0, *LAYER_CODES_PER_FRAME))]
     layers = [codes[:, a:b].contiguous() for a, b in itertools.pairwise(bounds)]
     audio = model.decode(layers)[:, 0, :].float()
     return (audio.clamp(-1.0, 1.0) * INT16_MAX).to(torch.int16)

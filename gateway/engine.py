@@ -139,6 +139,7 @@ class EngineBase(abc.ABC):
         self.requests_started = 0  # every generate() call so far (tests, metrics)
         self.warmed_up: list[int] = []  # batch sizes of the last start's warm-up
         self._ready = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None  # the subclass's health loop, started by start()
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -164,6 +165,12 @@ class EngineBase(abc.ABC):
         if self.on_state is not None:
             self.on_state(state)
 
+    async def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+
     @property
     def ready(self) -> bool:
         return self.state is EngineState.READY
@@ -185,7 +192,6 @@ class OrpheusEngine(EngineBase):
         self.started_at: float | None = None
         self._llm: Any = None
         self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
-        self._watchdog: asyncio.Task[None] | None = None
         self._restart_lock = asyncio.Lock()
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -233,10 +239,7 @@ class OrpheusEngine(EngineBase):
 
     async def close(self) -> None:
         self._set_state(EngineState.CLOSED)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        await self._stop_watchdog()
         await self._shutdown_llm()
 
     async def _shutdown_llm(self) -> None:

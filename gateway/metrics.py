@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -85,9 +85,10 @@ class _Families:
         return self._families
 
 
-def merge_worker_expositions(texts: Mapping[str, str]) -> bytes:
+def merge_worker_expositions(texts: Mapping[str, str], expected: int | None = None) -> bytes:
     """One exposition of several gateway processes' metrics (`serve --workers`), each sample labelled
-    `worker="<name>"`: `sum by (...)` in Prometheus gives the gateway-wide figure."""
+    `worker="<name>"`: `sum by (...)` in Prometheus gives the gateway-wide figure. With `expected`, also
+    `orpheus_metrics_workers{state}`: how many workers there are and how many answered."""
     merged: dict[str, Metric] = {}
     for worker, text in texts.items():
         for family in text_string_to_metric_families(text):
@@ -96,4 +97,10 @@ def merge_worker_expositions(texts: Mapping[str, str]) -> bytes:
                 target = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
             target.samples += [Sample(s.name, {**s.labels, WORKER_LABEL: worker}, s.value, s.timestamp, s.exemplar)
                                for s in family.samples]
+    if expected is not None:
+        workers = GaugeMetricFamily("orpheus_metrics_workers", "Gateway workers (Unix sockets) and how many "
+                                    "answered here.", labels=["state"])
+        workers.add_metric(["answered"], len(texts))
+        workers.add_metric(["expected"], expected)
+        merged[workers.name] = workers
     return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]

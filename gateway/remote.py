@@ -84,7 +84,6 @@ class RemoteEngine(EngineBase):
         self._was_ready = False
         self._session: aiohttp.ClientSession | None = None
         self._responses: set[aiohttp.ClientResponse] = set()
-        self._watchdog: asyncio.Task[None] | None = None
         self._headers = {"Authorization": f"Bearer {config.vllm_api_key}"} if config.vllm_api_key else {}
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -106,10 +105,7 @@ class RemoteEngine(EngineBase):
 
     async def close(self) -> None:
         self._set_state(EngineState.CLOSED)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        await self._stop_watchdog()
         session, self._session = self._session, None
         if session is not None:
             await session.close()

@@ -167,11 +167,7 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
 
     texts = {own: bytes(local.body).decode()}  # type: ignore[arg-type]
     texts.update({name: text for name, text in await asyncio.gather(*(fetch(p) for p in others)) if text})
-    body = merge_worker_expositions(texts)
-    body += (f"# HELP orpheus_metrics_workers Gateway workers (Unix sockets) and how many answered here.\n"
-             f"# TYPE orpheus_metrics_workers gauge\n"
-             f'orpheus_metrics_workers{{state="answered"}} {len(texts)}.0\n'
-             f'orpheus_metrics_workers{{state="expected"}} {len(others) + 1}.0\n').encode()
+    body = merge_worker_expositions(texts, expected=len(others) + 1)
     response = web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
     response.headers[WORKER_HEADER] = own
     return response

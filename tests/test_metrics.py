@@ -36,3 +36,10 @@ def test_one_worker_merges_to_its_own_figures() -> None:
         merge_worker_expositions({"w0": only.render().decode()}).decode())}
     (total,) = [s for s in families["orpheus_underruns"].samples if s.name.endswith("_total")]
     assert (total.labels, total.value) == ({"worker": "w0"}, 7.0)
+
+
+def test_worker_count_family_says_how_many_answered() -> None:
+    merged = merge_worker_expositions({"w0": Metrics().render().decode()}, expected=2)
+    families = {f.name: f for f in text_string_to_metric_families(merged.decode())}
+    assert {s.labels["state"]: s.value for s in families["orpheus_metrics_workers"].samples} == \
+        {"answered": 1.0, "expected": 2.0}
