@@ -17,6 +17,7 @@ futures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -24,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -264,9 +265,29 @@ class SnacModel:
     def decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
         """Decode windows of one length in one forward pass; one copy in and one out for the whole batch."""
         frames = windows[0].length
-        pcm = self.decode_codes(windows_to_layer_codes([w.frames for w in windows]), frames)
-        return [pcm[i, w.keep_from * SAMPLES_PER_FRAME:(w.keep_from + w.keep_count) * SAMPLES_PER_FRAME]
-                for i, w in enumerate(windows)]
+        return keep_new_audio(self.decode_codes(windows_to_layer_codes([w.frames for w in windows]), frames), windows)
+
+
+def own_stream(device: str) -> contextlib.AbstractContextManager[Any]:
+    """Run the calling thread's GPU work on a CUDA stream of its own. Where the model shares the process (the
+    engine core), its kernels are on the default stream: decodes queued there would wait behind every step."""
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(torch.cuda.Stream(device))
+
+
+def keep_new_audio(pcm: np.ndarray, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
+    """Each window's new samples, out of its decoded window (`pcm` row i belongs to windows[i])."""
+    return [pcm[i, w.keep_from * SAMPLES_PER_FRAME:(w.keep_from + w.keep_count) * SAMPLES_PER_FRAME]
+            for i, w in enumerate(windows)]
+
+
+class WindowDecoder(Protocol):
+    """What `DecodeBatcher` decodes with: a `SnacModel`, or a `codec_server.CodecClient` of a shared one."""
+
+    def decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]: ...
 
 
 @dataclass
@@ -295,7 +316,7 @@ class DecodeBatcher:
     each pass (metrics).
     """
 
-    def __init__(self, model: SnacModel, max_batch: int = 256,
+    def __init__(self, model: WindowDecoder, max_batch: int = 256,
                  on_batch: Callable[[int, float, int, int], None] | None = None) -> None:
         self.model = model
         self.max_batch = max_batch

@@ -95,6 +95,13 @@ class GatewayConfig:
                                          "the lead falls below this; 0 = off.")
     decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
+    snac_in_engine: bool = _opt(False, "Run SNAC inside vLLM's engine-core process (vLLM plugin gateway.vllm_plugin), "
+                                "shared by this gateway and its workers over a Unix socket: one CUDA context with "
+                                "the model instead of one per process, which the GPU would time-slice. Needs the "
+                                "engine started here (in-process, or the `vllm serve` of --workers) on one GPU.")
+    snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.codec_server): decode there "
+                                   "instead of loading SNAC in this process. With snac_in_engine: where to serve it "
+                                   "(default: a fresh temporary folder).")
     # --- text -------------------------------------------------------------------------------------
     max_text_chars: int = _opt(4000, "Longest text accepted per request or utterance.")
     max_sentence_chars: int = _opt(300, "Sentences longer than this are split at commas or spaces.")
@@ -279,6 +286,9 @@ def validate(config: GatewayConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if config.snac_in_engine and config.vllm_urls:
+        raise ConfigError("snac_in_engine needs the engine started here; with --vllm-url, start `vllm serve` with "
+                          "ORPHEUS_GATEWAY_SNAC_SERVER set (docs/operations.md) and give its --snac-socket")
     _validate_ice(config)
     for url in config.vllm_urls:
         if not _is_base_url(url):

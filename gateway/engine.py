@@ -19,7 +19,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from gateway.config import GatewayConfig
@@ -187,8 +187,11 @@ class EngineBase(abc.ABC):
 class OrpheusEngine(EngineBase):
     """Start once, share everywhere, restart on death."""
 
-    def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None) -> None:
+    def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None,
+                 engine_env: Mapping[str, str] | None = None) -> None:
+        """`engine_env`: variables vLLM's engine-core process gets on top of ours (at every start and restart)."""
         super().__init__(config, on_state)
+        self.engine_env = dict(engine_env or {})
         self.started_at: float | None = None
         self._llm: Any = None
         self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
@@ -209,7 +212,7 @@ class OrpheusEngine(EngineBase):
         args = engine_args(self.config)
         log.info("starting vLLM engine for %s", self.config.model)
         t0 = time.monotonic()
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        llm = await asyncio.to_thread(_with_environ, self.engine_env, AsyncLLM.from_engine_args, args)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
         await self._warm_up(llm)
         return llm
@@ -325,6 +328,21 @@ class OrpheusEngine(EngineBase):
                 # Consumer went away (cancel, barge-in, closed peer): free the sequence's GPU slot now.
                 with contextlib.suppress(Exception):
                     await llm.abort(request_id)
+
+
+def _with_environ(env: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) with `env` added to os.environ meanwhile: AsyncLLM starts its engine-core process inside and
+    that process inherits the environment; ours stays as it was."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return fn(*args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _safe_cmdline(proc: Any) -> list[str]:

@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gateway.codec import DecodeBatcher, SnacModel, StreamWindower
+from gateway.codec import DecodeBatcher, SnacModel, StreamWindower, WindowDecoder
+from gateway.codec_server import CodecClient, CodecServerSettings, engine_codec_env
 from gateway.config import GatewayConfig
 from gateway.engine import EngineBase, OrpheusEngine
 from gateway.orpheus import (
@@ -107,16 +110,13 @@ class Synthesizer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)
-        if config.snac_cuda_graphs:
-            snac.capture_graphs(_windower(config).window_lengths(early_start=config.decode_fast_start_ms > 0),
-                                config.decode_max_batch)
-        decoder = DecodeBatcher(snac, config.decode_max_batch)
+        window_decoder, engine_env = _window_decoder(config)
+        decoder = DecodeBatcher(window_decoder, config.decode_max_batch)
         engine: EngineBase
         if config.vllm_urls:
             engine = RemoteEngine(config)
         else:
-            engine = OrpheusEngine(config)
+            engine = OrpheusEngine(config, engine_env=engine_env)
         return cls(config, engine, tokenizer, decoder)
 
     async def start(self) -> None:
@@ -329,6 +329,31 @@ class Synthesizer:
         stats.samples += len(pcm)
         chunks.put_nowait(AudioChunk(pcm, index, sentence, first))
         return False
+
+
+def _window_decoder(config: GatewayConfig) -> tuple[WindowDecoder, dict[str, str]]:
+    """SNAC in this process, or a client of a shared decoder; and the environment the in-process engine's
+    engine core needs to serve that decoder itself (snac_in_engine)."""
+    if config.snac_in_engine:
+        path = config.snac_socket or str(Path(tempfile.mkdtemp(prefix="orpheus-snac-")) / "snac.sock")
+        return CodecClient(path), engine_codec_env(codec_server_settings(config, path))
+    if config.snac_socket:
+        return CodecClient(config.snac_socket), {}
+    snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)
+    if config.snac_cuda_graphs:
+        snac.capture_graphs(_window_lengths(config), config.decode_max_batch)
+    return snac, {}
+
+
+def codec_server_settings(config: GatewayConfig, path: str) -> CodecServerSettings:
+    """The shared SNAC decoder of this configuration, served on `path`."""
+    return CodecServerSettings(socket=path, snac_model=config.snac_model, snac_dtype=config.snac_dtype,
+                               cuda_graphs=config.snac_cuda_graphs, window_lengths=tuple(_window_lengths(config)),
+                               max_batch=config.decode_max_batch)
+
+
+def _window_lengths(config: GatewayConfig) -> list[int]:
+    return _windower(config).window_lengths(early_start=config.decode_fast_start_ms > 0)
 
 
 def _windower(config: GatewayConfig) -> StreamWindower:

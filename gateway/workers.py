@@ -38,10 +38,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.codec_server import engine_codec_env
 from gateway.config import GatewayConfig, validate
 from gateway.http import GATEWAY_KEY, json_error
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import METRICS_PATH, merge_worker_expositions
+from gateway.synthesizer import codec_server_settings
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
 FORWARD_TIMEOUT_S = 10.0
+SNAC_SOCKET_NAME = "snac.sock"  # with snac_in_engine: in the sockets folder, served by vllm serve's engine core
 METRICS_FETCH_TIMEOUT_S = 2.0  # a hung worker is left out of /metrics, well inside Prometheus' 10 s scrape timeout
 
 
@@ -74,7 +77,7 @@ def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str])
 
     in_flight = config.max_in_flight_utterances or config.max_num_seqs * config.data_parallel_size
     return dataclasses.replace(
-        config, vllm_urls=tuple(vllm_urls), workers=1, max_sessions=share(config.max_sessions),
+        config, vllm_urls=tuple(vllm_urls), workers=1, snac_in_engine=False, max_sessions=share(config.max_sessions),
         max_in_flight_utterances=share(in_flight),
         engine_tokens_per_second=config.engine_tokens_per_second / workers)
 
@@ -254,11 +257,17 @@ class Supervisor:
         self._own_folder = not given
         self.children: list[Child] = []
         urls = list(config.vllm_urls)
+        snac_socket = config.snac_socket
         if not urls:
             port = config.vllm_port or free_port()
-            self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), dict(os.environ)))
+            serve_env = dict(os.environ)
+            if config.snac_in_engine:  # vllm serve's engine core decodes SNAC for every worker
+                snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
+                serve_env.update(engine_codec_env(codec_server_settings(config, snac_socket)))
+            self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), serve_env))
             urls = [f"http://{LOOPBACK}:{port}"]
-        shared = json.dumps(dataclasses.asdict(worker_config(config, workers, urls)))
+        shared = json.dumps(dataclasses.asdict(
+            dataclasses.replace(worker_config(config, workers, urls), snac_socket=snac_socket)))
         for index in range(workers):
             env = {**os.environ, WORKER_CONFIG_ENV: shared, WORKER_INDEX_ENV: str(index),
                    WORKER_SOCKETS_ENV: self.sockets}
@@ -292,6 +301,7 @@ class Supervisor:
                 for child in self.children:
                     if child.name.startswith("worker"):
                         socket_path(self.sockets, int(child.env[WORKER_INDEX_ENV])).unlink(missing_ok=True)
+                (Path(self.sockets) / SNAC_SOCKET_NAME).unlink(missing_ok=True)
                 if self._own_folder:
                     Path(self.sockets).rmdir()
         return 0

@@ -20,7 +20,9 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from gateway.codec_server import engine_codec_env
 from gateway.config import GatewayConfig, from_sources
+from gateway.synthesizer import codec_server_settings
 from gateway.workers import vllm_serve_command
 
 # Tiny-model stop rate per frame: utterances of ~1 s on average, still bounded by max_tokens.
@@ -87,6 +89,8 @@ class VllmServer:
         self.config, self.port, self.log_path = config, port, log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s: float | None = None
+        # Its engine core also serves SNAC here (gateway.vllm_plugin), as under `serve --workers --snac-in-engine`.
+        self.snac_socket = str(log_path.parent / "snac.sock")
 
     @property
     def url(self) -> str:
@@ -95,7 +99,8 @@ class VllmServer:
     def start(self) -> None:
         # The command `serve --workers` runs when it starts its own server: the tiny model's CPU settings.
         cmd = vllm_serve_command(self.config, "127.0.0.1", self.port)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+               **engine_codec_env(codec_server_settings(self.config, self.snac_socket))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -82,7 +82,8 @@ async def workers(vllm_server: VllmServer, tiny_model_dir: Path, tiny_snac_dir: 
     cmd = [sys.executable, "-m", "gateway", "serve", "--workers", str(WORKERS), "--vllm-url", vllm_server.url,
            "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny_model_dir),
            "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--max-tokens", str(TEST_MAX_TOKENS),
-           "--jitter-buffer-ms", "0", "--log-level", "warning"]
+           "--jitter-buffer-ms", "0", "--log-level", "warning",
+           "--snac-socket", vllm_server.snac_socket]  # decoding in vllm serve's engine core (gateway.vllm_plugin)
     log = root / "serve.log"
     proc = _start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log)
     running = Workers(proc, port, sockets, log)
