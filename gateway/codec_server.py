@@ -19,8 +19,10 @@ import json
 import logging
 import os
 import queue
+import signal
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -46,6 +48,7 @@ class CodecServerSettings:
 
     socket: str
     snac_model: str
+    device: str = "auto"
     snac_dtype: str = "float32"
     cuda_graphs: bool = True
     window_lengths: tuple[int, ...] = (2, 3, 4, 5, 6)
@@ -103,8 +106,8 @@ class CodecServer:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, settings: CodecServerSettings, device: str = "auto") -> CodecServer:
-        model = SnacModel.load(settings.snac_model, device, settings.snac_dtype)
+    def load(cls, settings: CodecServerSettings) -> CodecServer:
+        model = SnacModel.load(settings.snac_model, settings.device, settings.snac_dtype)
         if settings.cuda_graphs:
             model.capture_graphs(settings.window_lengths, settings.max_batch)
         return cls(model, settings.socket, settings.max_batch)
@@ -244,18 +247,27 @@ class CodecClient:
 
     def decode_codes(self, codes: np.ndarray, frames: int) -> np.ndarray:
         """int16 PCM [rows, frames * 2048] of `codes` ([rows, 7 * frames], `windows_to_layer_codes`)."""
+        request = HEADER.pack(frames, len(codes)) + codes.astype("<i2").tobytes()
+        reused = self._sock is not None
+        try:
+            return self._exchange(request, frames)
+        except OSError:  # ConnectionError included
+            if not reused:
+                raise
+        # The connection was opened before and broke meanwhile (the server restarted): once more on a new one.
+        # Decoding is idempotent, so a request the old server may have half-processed is safe to repeat.
+        return self._exchange(request, frames)
+
+    def _exchange(self, request: bytes, frames: int) -> np.ndarray:
         sock = self._connect()
         try:
-            sock.sendall(HEADER.pack(frames, len(codes)) + codes.astype("<i2").tobytes())
+            sock.sendall(request)
             status, count = HEADER.unpack(_recv_exact(sock, HEADER.size))
             if status != STATUS_OK:
                 raise RuntimeError(f"SNAC server: {_recv_exact(sock, count).decode(errors='replace')}")
             raw = _recv_exact(sock, count * frames * SAMPLES_PER_FRAME * 2)
-        except (OSError, ConnectionError):
-            self.close()  # half a reply may be in the socket: the next call starts afresh
-            raise
-        except RuntimeError:
-            self.close()  # the server closes a connection it sent an error on
+        except (OSError, RuntimeError):
+            self.close()  # half a reply may be in the socket, or the server closed it after an error
             raise
         return np.frombuffer(raw, dtype="<i2").reshape(count, frames * SAMPLES_PER_FRAME)
 
@@ -270,11 +282,31 @@ def engine_codec_env(settings: CodecServerSettings) -> dict[str, str]:
     return {SERVER_ENV: settings.to_env(), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
-def serve_from_env(device: str = "auto") -> CodecServer | None:
+def serve_from_env() -> CodecServer | None:
     """Start the server SERVER_ENV describes, if set (gateway.vllm_plugin calls this in the engine core)."""
     text = os.environ.get(SERVER_ENV)
     if not text:
         return None
-    server = CodecServer.load(CodecServerSettings.from_env(text), device)
+    server = CodecServer.load(CodecServerSettings.from_env(text))
     server.start()
     return server
+
+
+def main() -> int:
+    """`python -m gateway.codec_server`: the shared SNAC process of `serve --workers --snac-placement shared`
+    (the supervisor sets SERVER_ENV); serves until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s snac-server %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = serve_from_env()
+    if server is None:
+        log.error("%s is not set: nothing to serve", SERVER_ENV)
+        return 2
+    stop.wait()
+    server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,6 +20,7 @@ from typing import Any
 ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("float32", "bfloat16", "float16")
+SNAC_PLACEMENTS = ("process", "shared", "engine")
 
 
 class ConfigError(ValueError):
@@ -95,13 +96,15 @@ class GatewayConfig:
                                          "the lead falls below this; 0 = off.")
     decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
-    snac_in_engine: bool = _opt(False, "Run SNAC inside vLLM's engine-core process (vLLM plugin gateway.vllm_plugin), "
-                                "shared by this gateway and its workers over a Unix socket: one CUDA context with "
-                                "the model instead of one per process, which the GPU would time-slice. Needs the "
-                                "engine started here (in-process, or the `vllm serve` of --workers) on one GPU.")
+    snac_placement: str = _opt("process", "Where SNAC decodes. process: in each gateway process. shared: with "
+                               "--workers, one SNAC process serves every worker over a Unix socket (one CUDA "
+                               "context and one batch instead of one per worker; the GPU time-slices between "
+                               "contexts). engine: inside vLLM's engine-core process (plugin gateway.vllm_plugin; "
+                               "one context with the model, but its threads share the engine loop's GIL: slower on "
+                               "an H200, docs/benchmarks.md); needs the engine started here.")
     snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.codec_server): decode there "
-                                   "instead of loading SNAC in this process. With snac_in_engine: where to serve it "
-                                   "(default: a fresh temporary folder).")
+                                   "instead of loading SNAC in this process. With snac_placement shared or engine: "
+                                   "where to serve it (default: a fresh temporary folder).")
     # --- text -------------------------------------------------------------------------------------
     max_text_chars: int = _opt(4000, "Longest text accepted per request or utterance.")
     max_sentence_chars: int = _opt(300, "Sentences longer than this are split at commas or spaces.")
@@ -253,6 +256,7 @@ def validate(config: GatewayConfig) -> None:
         (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
         (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
+        (config.snac_placement in SNAC_PLACEMENTS, f"snac_placement must be one of {', '.join(SNAC_PLACEMENTS)}"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
         (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
         (config.decode_max_hop_frames >= 1, "decode_max_hop_frames must be >= 1"),
@@ -286,9 +290,9 @@ def validate(config: GatewayConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if config.snac_in_engine and config.vllm_urls:
-        raise ConfigError("snac_in_engine needs the engine started here; with --vllm-url, start `vllm serve` with "
-                          "ORPHEUS_GATEWAY_SNAC_SERVER set (docs/operations.md) and give its --snac-socket")
+    if config.snac_placement == "engine" and config.vllm_urls:
+        raise ConfigError("snac_placement engine needs the engine started here; with --vllm-url, start `vllm serve` "
+                          "with ORPHEUS_GATEWAY_SNAC_SERVER set (docs/operations.md) and give its --snac-socket")
     _validate_ice(config)
     for url in config.vllm_urls:
         if not _is_base_url(url):

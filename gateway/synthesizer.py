@@ -333,8 +333,9 @@ class Synthesizer:
 
 def _window_decoder(config: GatewayConfig) -> tuple[WindowDecoder, dict[str, str]]:
     """SNAC in this process, or a client of a shared decoder; and the environment the in-process engine's
-    engine core needs to serve that decoder itself (snac_in_engine)."""
-    if config.snac_in_engine:
+    engine core needs to serve that decoder itself (snac_placement engine). In one process, shared is
+    process: there is nothing to share with."""
+    if config.snac_placement == "engine" and not config.vllm_urls:
         path = config.snac_socket or str(Path(tempfile.mkdtemp(prefix="orpheus-snac-")) / "snac.sock")
         return CodecClient(path), engine_codec_env(codec_server_settings(config, path))
     if config.snac_socket:
@@ -347,7 +348,8 @@ def _window_decoder(config: GatewayConfig) -> tuple[WindowDecoder, dict[str, str
 
 def codec_server_settings(config: GatewayConfig, path: str) -> CodecServerSettings:
     """The shared SNAC decoder of this configuration, served on `path`."""
-    return CodecServerSettings(socket=path, snac_model=config.snac_model, snac_dtype=config.snac_dtype,
+    return CodecServerSettings(socket=path, snac_model=config.snac_model, device=config.snac_device,
+                               snac_dtype=config.snac_dtype,
                                cuda_graphs=config.snac_cuda_graphs, window_lengths=tuple(_window_lengths(config)),
                                max_batch=config.decode_max_batch)
 

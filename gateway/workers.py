@@ -58,7 +58,7 @@ STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
 FORWARD_TIMEOUT_S = 10.0
-SNAC_SOCKET_NAME = "snac.sock"  # with snac_in_engine: in the sockets folder, served by vllm serve's engine core
+SNAC_SOCKET_NAME = "snac.sock"  # snac_placement shared or engine: in the sockets folder
 METRICS_FETCH_TIMEOUT_S = 2.0  # a hung worker is left out of /metrics, well inside Prometheus' 10 s scrape timeout
 
 
@@ -77,8 +77,8 @@ def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str])
 
     in_flight = config.max_in_flight_utterances or config.max_num_seqs * config.data_parallel_size
     return dataclasses.replace(
-        config, vllm_urls=tuple(vllm_urls), workers=1, snac_in_engine=False, max_sessions=share(config.max_sessions),
-        max_in_flight_utterances=share(in_flight),
+        config, vllm_urls=tuple(vllm_urls), workers=1, snac_placement="process",
+        max_sessions=share(config.max_sessions), max_in_flight_utterances=share(in_flight),
         engine_tokens_per_second=config.engine_tokens_per_second / workers)
 
 
@@ -258,12 +258,18 @@ class Supervisor:
         self.children: list[Child] = []
         urls = list(config.vllm_urls)
         snac_socket = config.snac_socket
+        codec_env: dict[str, str] = {}
+        if config.snac_placement != "process":
+            snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
+            codec_env = engine_codec_env(codec_server_settings(config, snac_socket))
+        if config.snac_placement == "shared":  # one SNAC process decodes for every worker
+            self.children.append(Child("snac server", [sys.executable, "-m", "gateway.codec_server"],
+                                       {**os.environ, **codec_env}))
         if not urls:
             port = config.vllm_port or free_port()
             serve_env = dict(os.environ)
-            if config.snac_in_engine:  # vllm serve's engine core decodes SNAC for every worker
-                snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
-                serve_env.update(engine_codec_env(codec_server_settings(config, snac_socket)))
+            if config.snac_placement == "engine":  # vllm serve's engine core decodes SNAC for every worker
+                serve_env.update(codec_env)
             self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), serve_env))
             urls = [f"http://{LOOPBACK}:{port}"]
         shared = json.dumps(dataclasses.asdict(

@@ -89,7 +89,7 @@ class VllmServer:
         self.config, self.port, self.log_path = config, port, log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s: float | None = None
-        # Its engine core also serves SNAC here (gateway.vllm_plugin), as under `serve --workers --snac-in-engine`.
+        # Its engine core also serves SNAC here (gateway.vllm_plugin), as `serve --workers --snac-placement engine`.
         self.snac_socket = str(log_path.parent / "snac.sock")
 
     @property

@@ -5,6 +5,7 @@ engine core (the real `vllm serve` of conftest runs it)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import threading
@@ -191,9 +192,11 @@ async def test_without_a_server_a_batch_fails_clearly_and_decoding_resumes_when_
             assert len(await batcher.decode(window)) == SAMPLES_PER_FRAME
             server.close()
             server = start_server(snac, server_path)  # restarted again: the old connection is dead
-            with pytest.raises(RuntimeError, match="audio decoding failed"):
-                await batcher.decode(window)
-            assert len(await batcher.decode(window)) == SAMPLES_PER_FRAME, "reconnected"
+            assert len(await batcher.decode(window)) == SAMPLES_PER_FRAME, "retried once on a new connection"
+            server.close()
+            with pytest.raises(RuntimeError, match=r"audio decoding failed: SNAC server at .* unreachable"):
+                await batcher.decode(window)  # gone for good: the retry fails too, with the reason
+            server = start_server(snac, server_path)
         finally:
             server.close()
     finally:
@@ -232,3 +235,24 @@ async def test_vllm_serve_engine_core_serves_snac(vllm_server: object, tiny_snac
         assert (await asyncio.to_thread(client.decode_codes, codes, 3)).shape == (len(windows), 3 * SAMPLES_PER_FRAME)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"snac_placement": "gpu"}, "snac_placement must be one of process, shared, engine"),
+    ({"snac_placement": "engine", "vllm_urls": ["http://gpu1:8001"]}, "snac_placement engine needs the engine"),
+])
+def test_bad_placements_are_refused(overrides: dict[str, object], message: str) -> None:
+    from gateway.config import ConfigError, from_sources
+
+    with pytest.raises(ConfigError, match=message):
+        from_sources(env={}, **overrides)
+
+
+def test_server_process_without_settings_exits_with_a_message() -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
+    done = subprocess.run([sys.executable, "-m", "gateway.codec_server"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and f"{SERVER_ENV} is not set" in done.stderr

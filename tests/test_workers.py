@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import HeadlessPeer
-from gateway.workers import FORWARDED_HEADER, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
+from gateway.workers import FORWARDED_HEADER, SNAC_SOCKET_NAME, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
 from tests.conftest import TEST_MAX_TOKENS, VllmServer, free_port
 
 pytestmark = pytest.mark.engine
@@ -39,12 +40,13 @@ class Workers:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def worker_pids(self) -> list[int]:
-        """Live workers (a killed one is a zombie until the supervisor's next poll reaps it)."""
+    def worker_pids(self, module: str = "gateway.workers") -> list[int]:
+        """Live workers, or other children running `module` (a killed one is a zombie until the supervisor's
+        next poll reaps it)."""
         pids = []
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):  # gone or a zombie meanwhile
-                if child.status() != psutil.STATUS_ZOMBIE and "gateway.workers" in " ".join(child.cmdline()):
+                if child.status() != psutil.STATUS_ZOMBIE and module in " ".join(child.cmdline()):
                     pids.append(child.pid)
         return pids
 
@@ -83,7 +85,7 @@ async def workers(vllm_server: VllmServer, tiny_model_dir: Path, tiny_snac_dir: 
            "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny_model_dir),
            "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--max-tokens", str(TEST_MAX_TOKENS),
            "--jitter-buffer-ms", "0", "--log-level", "warning",
-           "--snac-socket", vllm_server.snac_socket]  # decoding in vllm serve's engine core (gateway.vllm_plugin)
+           "--snac-placement", "shared"]  # one SNAC process decodes for both workers (gateway.codec_server)
     log = root / "serve.log"
     proc = _start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log)
     running = Workers(proc, port, sockets, log)
@@ -161,6 +163,37 @@ async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
     await workers.wait_all_ready()
     async with aiohttp.ClientSession() as http, http.get(f"{workers.url}/readyz") as resp:
         assert resp.status == 200
+
+
+async def test_one_snac_process_decodes_for_every_worker_and_is_restarted(workers: Workers) -> None:
+    """--snac-placement shared: the workers load no SNAC; one `gateway.codec_server` child decodes for both
+    (the sessions test above spoke through it). Killed, it is restarted and speech goes on."""
+    (snac_pid,) = workers.worker_pids("gateway.codec_server")
+    assert (workers.sockets / SNAC_SOCKET_NAME).is_socket()
+    os.kill(snac_pid, signal.SIGKILL)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (restarted := [p for p in workers.worker_pids("gateway.codec_server") if p != snac_pid]):
+        assert time.monotonic() < deadline, f"no new SNAC server:\n{workers.log_tail()}"
+        await asyncio.sleep(0.5)
+    peer = HeadlessPeer(workers.url, jitter_buffer_ms=0)
+    try:
+        await peer.connect(timeout=60)
+        for attempt in itertools.count():  # until the new server listens, an utterance fails with an error event
+            assert time.monotonic() < deadline, f"no speech after the SNAC server restarted:\n{workers.log_tail()}"
+            uid = f"again{attempt}"
+            peer.speak(uid, "Good morning.")
+            while not (ended := peer.find("done", uid) + peer.find("error", uid)):
+                assert time.monotonic() < deadline, f"utterance {uid} never ended:\n{workers.log_tail()}"
+                await asyncio.sleep(0.1)
+            event = ended[0].message
+            if event["type"] == "done":
+                assert event["audio_ms"] > 0
+                break
+            assert event["code"] == "synthesis_failed" and "SNAC server" in event["message"], event
+            await asyncio.sleep(1)
+        assert restarted
+    finally:
+        await peer.close()
 
 
 def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> None:
