@@ -130,7 +130,8 @@ def _playback_summary(records: Sequence[RequestRecord], buffer_key: str) -> dict
 
 def _server_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "ttfa_ms": describe([s["ttfa_ms"] for s in servers if s.get("ttfa_ms") is not None]),
+        **{key: describe([s[key] for s in servers if s.get(key) is not None])
+           for key in ("ttft_ms", "ttfw_ms", "ttfa_ms")},
         "audio_s": round(sum(s.get("audio_ms", 0) for s in servers) / MS, 3),
         "underruns": sum(s.get("underruns", 0) for s in servers),
         "underrun_ms": sum(s.get("underrun_ms", 0) for s in servers),

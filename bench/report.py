@@ -78,7 +78,9 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
                    for name, stats in (("ttft", ("min", "avg", "max")), ("ttff", ("avg", "max")),
                                        ("ttfw", ("p50", "p95")), ("ttfa", ("min", "avg", "p50", "p95", "max")))
                    for stat in stats]
-        return [n, ("success", _success), *latency]
+        server = [(f"server {name.upper()} {stat} ms", _ms("server", f"{name}_ms", stat))
+                  for name in ("ttft", "ttfw", "ttfa") for stat in ("p50", "p95")]  # WebRTC: the `started` event
+        return [n, ("success", _success), *latency, *server]
     if scenario == MAX_USERS:
         return [n, ("success", _success), ("TTFF max ms", _ms("ttff_ms", "max")),
                 ("TTFA max ms", _ms("ttfa_ms", "max")), ("RTF", _fixed(3, "rtf")),

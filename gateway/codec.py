@@ -352,6 +352,9 @@ class DecodeBatcher:
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=10)
+        release = getattr(self.model, "release", None)  # a CodecClient's connection and folder
+        if release is not None:
+            release()
 
     def _run(self) -> None:
         carried: list[_Job] | None = None

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import struct
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("<II")
 STATUS_OK, STATUS_ERROR = 0, 1
 CODES_PER_FRAME = sum(LAYER_CODES_PER_FRAME)
+CLOSE_TIMEOUT_S = 10.0
 MAX_FRAMES = 64  # longest window a request may carry (the gateway's are 2-6 frames)
 SERVER_ENV = "ORPHEUS_GATEWAY_SNAC_SERVER"  # CodecServerSettings as JSON: read by gateway.vllm_plugin
 
@@ -104,6 +106,7 @@ class CodecServer:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
 
     @classmethod
     def load(cls, settings: CodecServerSettings) -> CodecServer:
@@ -119,8 +122,10 @@ class CodecServer:
         listener.bind(str(self.path))
         listener.listen()
         self._listener = listener
-        threading.Thread(target=self._accept, name="snac-server-accept", daemon=True).start()
-        threading.Thread(target=self._decode_loop, name="snac-server-decode", daemon=True).start()
+        self._threads = [threading.Thread(target=self._accept, name="snac-server-accept", daemon=True),
+                         threading.Thread(target=self._decode_loop, name="snac-server-decode", daemon=True)]
+        for thread in self._threads:
+            thread.start()
         log.info("SNAC decoding served on %s", self.path)
 
     def close(self) -> None:
@@ -135,6 +140,8 @@ class CodecServer:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
         self.path.unlink(missing_ok=True)
+        for thread in self._threads:  # a decode in progress finishes first
+            thread.join(timeout=CLOSE_TIMEOUT_S)
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -223,9 +230,12 @@ class CodecClient:
     """Stands in for `SnacModel` in `DecodeBatcher`: decodes on a `CodecServer`. Blocking; one call at a time
     (the batcher's thread). A lost connection fails that batch and is reopened by the next."""
 
-    def __init__(self, path: str | Path, timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str | Path, timeout_s: float = 10.0, own_folder: bool = False) -> None:
+        """`own_folder`: the socket's folder was made for it alone and goes at close (the server that made the
+        socket may be killed without removing it)."""
         self.path = str(path)
         self.timeout_s = timeout_s
+        self.own_folder = own_folder
         self._sock: socket.socket | None = None
 
     def _connect(self) -> socket.socket:
@@ -244,6 +254,12 @@ class CodecClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def release(self) -> None:
+        """Close for good (DecodeBatcher.close): the connection, and the socket's own folder if it has one."""
+        self.close()
+        if self.own_folder:
+            shutil.rmtree(Path(self.path).parent, ignore_errors=True)
 
     def decode_codes(self, codes: np.ndarray, frames: int) -> np.ndarray:
         """int16 PCM [rows, frames * 2048] of `codes` ([rows, 7 * frames], `windows_to_layer_codes`)."""

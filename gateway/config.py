@@ -82,10 +82,12 @@ class GatewayConfig:
                            "bench/device/snac_check.py measures the difference) or float16.")
     decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
-    decode_fast_start_ms: float = _opt(65.0, "Play an utterance's first frame without waiting for its lookahead "
+    decode_fast_start_ms: float = _opt(45.0, "Play an utterance's first frame without waiting for its lookahead "
                                        "frame (7 tokens sooner) when the stream's first tokens came fast enough "
                                        "that the next two frames' tokens arrive within this many ms (the first "
-                                       "frame plays 85 ms); 0 = off.")
+                                       "frame plays 85 ms); 0 = off. The margin covers the rate slowing as a "
+                                       "burst of new streams joins the batch: with 65, 16 of 128 streams started "
+                                       "together stalled 26 ms after their first frame on an H200.")
     decode_hop_frames: int = _opt(1, "Fewest new frames a decode window emits once streaming (the hop at light load).")
     decode_max_hop_frames: int = _opt(4, "Most new frames a decode window emits: a stream's next window covers every "
                                       "frame that arrived while its last decode ran, up to this (adaptive hop; "
@@ -96,12 +98,13 @@ class GatewayConfig:
                                          "the lead falls below this; 0 = off.")
     decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
-    snac_placement: str = _opt("process", "Where SNAC decodes. process: in each gateway process. shared: with "
-                               "--workers, one SNAC process serves every worker over a Unix socket (one CUDA "
-                               "context and one batch instead of one per worker; the GPU time-slices between "
-                               "contexts). engine: inside vLLM's engine-core process (plugin gateway.vllm_plugin; "
-                               "one context with the model, but its threads share the engine loop's GIL: slower on "
-                               "an H200, docs/benchmarks.md); needs the engine started here.")
+    snac_placement: str = _opt("shared", "Where SNAC decodes. shared: with --workers, one SNAC process serves every "
+                               "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
+                               "which the GPU would time-slice; fewer underruns on an H200, docs/benchmarks.md); in "
+                               "one process, as process. process: in each gateway process. engine: inside vLLM's "
+                               "engine-core process (plugin gateway.vllm_plugin): one context with the model, but "
+                               "its threads share the engine loop's GIL, measured slower on an H200; needs the "
+                               "engine started here.")
     snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.codec_server): decode there "
                                    "instead of loading SNAC in this process. With snac_placement shared or engine: "
                                    "where to serve it (default: a fresh temporary folder).")

@@ -370,11 +370,16 @@ class Session:
     def _on_playout_event(self, event: PlayoutEvent) -> None:
         utterance = self._utterances.get(event.utterance_id)
         if event.kind is PlayoutEventKind.STARTED:
-            ttfa_ms = None
+            stages: dict[str, float | None] = {"ttfa_ms": None}
             if utterance is not None:
-                ttfa_ms = round((event.timestamp - utterance.received_at) * 1000, 1)
-                self.gateway.metrics.ttfa_seconds.labels("webrtc").observe(ttfa_ms / 1000)
-            self.send({"type": "started", "id": event.utterance_id, "ttfa_ms": ttfa_ms})
+                since = utterance.received_at
+                stats = utterance.stats
+                # Where first audio's time went: first token from the engine, first window to SNAC, first audio out.
+                stages = {"ttft_ms": _ms_since(since, stats.first_token_at if stats else None),
+                          "ttfw_ms": _ms_since(since, stats.first_window_at if stats else None),
+                          "ttfa_ms": _ms_since(since, event.timestamp)}
+                self.gateway.metrics.ttfa_seconds.labels("webrtc").observe(event.timestamp - since)
+            self.send({"type": "started", "id": event.utterance_id, **stages})
         elif event.kind is PlayoutEventKind.MARKER and event.label == SEGMENT_MARKER:
             index, text = event.data
             self.send({"type": "segment", "id": event.utterance_id, "index": index, "text": text})
@@ -592,3 +597,7 @@ def mount_webrtc(app: web.Application, gateway: Gateway) -> None:
     app.router.add_get(ICE_SERVERS_PATH, get_ice_servers)
     app.router.add_post(OFFER_PATH, offer)
     app.router.add_delete("/v1/webrtc/sessions/{session_id}", end_session)
+
+
+def _ms_since(start: float, at: float | None) -> float | None:
+    return None if at is None else round((at - start) * 1000, 1)

@@ -336,8 +336,9 @@ def _window_decoder(config: GatewayConfig) -> tuple[WindowDecoder, dict[str, str
     engine core needs to serve that decoder itself (snac_placement engine). In one process, shared is
     process: there is nothing to share with."""
     if config.snac_placement == "engine" and not config.vllm_urls:
+        own_folder = config.snac_socket is None
         path = config.snac_socket or str(Path(tempfile.mkdtemp(prefix="orpheus-snac-")) / "snac.sock")
-        return CodecClient(path), engine_codec_env(codec_server_settings(config, path))
+        return CodecClient(path, own_folder=own_folder), engine_codec_env(codec_server_settings(config, path))
     if config.snac_socket:
         return CodecClient(config.snac_socket), {}
     snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)

@@ -83,6 +83,8 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
             assert request["tokens"] >= 7 * request["chunks"] if level == "vllm" else request["tokens"] > 0
         else:
             assert request["server"]["audio_ms"] > 0 and request["server"]["underruns"] is not None
+            server = request["server"]
+            assert 0 < server["ttft_ms"] <= server["ttfw_ms"] <= server["ttfa_ms"], server
     assert point["pipeline"]["wall_s"] > 0
 
 

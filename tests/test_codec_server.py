@@ -256,3 +256,24 @@ def test_server_process_without_settings_exits_with_a_message() -> None:
     done = subprocess.run([sys.executable, "-m", "gateway.codec_server"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and f"{SERVER_ENV} is not set" in done.stderr
+
+
+@pytest.mark.engine
+async def test_in_process_engine_serves_snac_from_its_engine_core(tiny_model_dir: Path, tiny_snac_dir: Path) -> None:
+    """--snac-placement engine in one process: the AsyncLLM's engine core (spawned with the codec settings in
+    its environment only) serves SNAC, and the gateway speaks through it."""
+    from gateway.synthesizer import Synthesizer
+    from tests.conftest import tiny_config
+
+    synth = Synthesizer.load(tiny_config(tiny_model_dir, tiny_snac_dir, snac_placement="engine"))
+    client = synth.decoder.model
+    assert isinstance(client, CodecClient)
+    await synth.start()
+    try:
+        assert SERVER_ENV not in os.environ, "the settings went to the engine core, not into our environment"
+        assert await asyncio.to_thread(Path(client.path).is_socket)
+        chunks = [chunk async for chunk in synth.utterance("Hello there.")]
+        assert sum(len(c.pcm) for c in chunks) > 0 and synth.decoder.stats.batches > 0
+    finally:
+        await synth.close()
+    assert not await asyncio.to_thread(Path(client.path).parent.exists), "the socket's folder went with it"

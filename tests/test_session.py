@@ -70,7 +70,7 @@ async def test_speak_plays_audio_and_events_in_order(peer: HeadlessPeer) -> None
     done = await peer.wait_event("done", "u1")
     assert queued["position"] == 0
     assert peer.event_time("started", "u1") <= peer.event_time("done", "u1")
-    assert started["ttfa_ms"] > 0
+    assert 0 < started["ttft_ms"] <= started["ttfw_ms"] <= started["ttfa_ms"], started  # stages, in order
     assert done["audio_ms"] > 0 and done["audio_ms"] % 20 == 0
     segments = [e.message for e in peer.find("segment", "u1")]
     assert [s["index"] for s in segments] == list(range(len(segments))) and segments[0]["text"] == "Hello student."

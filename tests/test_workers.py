@@ -84,6 +84,8 @@ async def workers(vllm_server: VllmServer, tiny_model_dir: Path, tiny_snac_dir: 
     cmd = [sys.executable, "-m", "gateway", "serve", "--workers", str(WORKERS), "--vllm-url", vllm_server.url,
            "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny_model_dir),
            "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--max-tokens", str(TEST_MAX_TOKENS),
+           # the server's own settings (conftest): each worker warms it up once, with a burst it can batch
+           "--max-num-seqs", str(vllm_server.config.max_num_seqs), "--warmup-batch-sizes", "2",
            "--jitter-buffer-ms", "0", "--log-level", "warning",
            "--snac-placement", "shared"]  # one SNAC process decodes for both workers (gateway.codec_server)
     log = root / "serve.log"
@@ -211,7 +213,8 @@ def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> 
     assert point["pipeline"]["cpu_s"]["client_processes"] > 0
 
 async def test_sigterm_stops_the_supervisor_and_its_workers(workers: Workers) -> None:
-    pids = workers.worker_pids()
+    pids = workers.worker_pids() + workers.worker_pids("gateway.codec_server")
+    assert len(pids) == WORKERS + 1
     workers.proc.send_signal(signal.SIGTERM)
     assert workers.proc.wait(timeout=60) == 0
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

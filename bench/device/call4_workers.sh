@@ -56,7 +56,10 @@ if [ $RC -eq 0 ]; then
   echo "bench rc=$?"
   grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/bench.log | tail -c 7000
 fi
-kill -TERM -- -$SERVE_PID 2>/dev/null; sleep 5; kill -KILL -- -$SERVE_PID 2>/dev/null
+# The supervisor stops its children (each in its own process group) before it exits: give it the time.
+kill -TERM -- -$SERVE_PID 2>/dev/null
+for _ in $(seq 30); do kill -0 $SERVE_PID 2>/dev/null || break; sleep 1; done
+kill -KILL -- -$SERVE_PID 2>/dev/null
 grep -vE "Capturing CUDA|^\s*$" $OUT/$NAME/serve.log | tail -c 3000
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 echo "call4 total $(( $(date +%s) - T0 ))s"
