@@ -3,8 +3,10 @@
 Why: every process that runs CUDA kernels has its own CUDA context, and the GPU time-slices between contexts
 instead of running their kernels side by side. With SNAC in each gateway worker and the model in vLLM's
 engine-core process, generation slowed 2x at 384 streams on an H200 (docs/benchmarks.md). A `CodecServer` is
-one context and one batch for all workers, and `gateway.vllm_plugin` runs it inside vLLM's engine-core
-process, so SNAC shares the model's context.
+one context and one batch for all workers (`--snac-placement shared`: `python -m gateway.codec_server`, started
+by the supervisor; measured: fewer underruns than a decoder per worker). `gateway.vllm_plugin` can run it inside
+vLLM's engine-core process instead (`--snac-placement engine`), sharing the model's context; measured slower,
+its threads contend with vLLM's engine loop for the GIL.
 
 Wire format (little-endian), one request in flight per connection:
   request  u32 frames, u32 rows, then rows x 7*frames int16 codes (rows of `orpheus.windows_to_layer_codes`)
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from gateway.codec import DecodeWindow, SnacModel, keep_new_audio, own_stream
-from gateway.orpheus import LAYER_CODES_PER_FRAME, SAMPLES_PER_FRAME, windows_to_layer_codes
+from gateway.orpheus import CODEBOOK_SIZE, LAYER_CODES_PER_FRAME, SAMPLES_PER_FRAME, windows_to_layer_codes
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +165,8 @@ class CodecServer:
                                         f"(1..{MAX_FRAMES} frames, 1..{self.max_batch} rows)")
                 raw = _recv_exact(conn, rows * CODES_PER_FRAME * frames * 2)
                 codes = np.frombuffer(raw, dtype="<i2").reshape(rows, CODES_PER_FRAME * frames).astype(np.int64)
-                if codes.min() < 0 or codes.max() >= 4096:
-                    raise ProtocolError("codes must be within 0..4095")
+                if codes.min() < 0 or codes.max() >= CODEBOOK_SIZE:
+                    raise ProtocolError(f"codes must be within 0..{CODEBOOK_SIZE - 1}")
                 self._queue.put(_Request(conn, frames, codes))
         except ProtocolError as exc:
             _send_error(conn, str(exc))
