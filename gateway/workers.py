@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -54,6 +56,7 @@ WORKER_HEADER = "X-Gateway-Worker"  # which worker answered (operations, tests)
 FORWARDED_HEADER = "X-Gateway-Forwarded-By"  # the worker that passed the request on to the owner
 SESSION_PATH = re.compile(r"^/v1/webrtc/sessions/(w(\d+)-[0-9a-f]+)$")
 RESTART_DELAY_S = 1.0  # before restarting a process that exited
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
@@ -225,7 +228,8 @@ class Child:
 
     def start(self) -> None:
         # Own process group: vllm serve's engine-core child is stopped with it.
-        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True,
+                                     preexec_fn=functools.partial(_stop_with_parent, os.getpid()))
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
     @property
@@ -245,6 +249,16 @@ class Child:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.proc.wait(timeout=timeout)
+
+
+def _stop_with_parent(parent: int) -> None:
+    """In a child, before it runs its command: SIGTERM once the supervisor is gone, even killed with SIGKILL
+    (Linux), so no worker keeps the port and no `vllm serve` keeps the GPU after it. The supervisor is one
+    thread, the one that starts children, which is what PR_SET_PDEATHSIG watches."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the supervisor died before the line above
+        os._exit(1)
 
 
 class Supervisor:

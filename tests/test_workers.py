@@ -74,23 +74,34 @@ def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-@pytest.fixture(scope="module")
-async def workers(vllm_server: VllmServer, tiny_model_dir: Path, tiny_snac_dir: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Workers]:
-    root = tmp_path_factory.mktemp("workers")
+def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, root: Path) -> Workers:
     sockets = root / "sockets"
     sockets.mkdir()
     port = free_port()
     cmd = [sys.executable, "-m", "gateway", "serve", "--workers", str(WORKERS), "--vllm-url", vllm_server.url,
-           "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny_model_dir),
-           "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--max-tokens", str(TEST_MAX_TOKENS),
+           "--host", "127.0.0.1", "--port", str(port), "--model", str(model_dir),
+           "--snac-model", str(snac_dir), "--snac-device", "cpu", "--max-tokens", str(TEST_MAX_TOKENS),
            # the server's own settings (conftest): each worker warms it up once, with a burst it can batch
            "--max-num-seqs", str(vllm_server.config.max_num_seqs), "--warmup-batch-sizes", "2",
            "--jitter-buffer-ms", "0", "--log-level", "warning",
-           "--snac-placement", "shared"]  # one SNAC process decodes for both workers (gateway.codec_server)
+           "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.codec_server)
     log = root / "serve.log"
-    proc = _start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log)
-    running = Workers(proc, port, sockets, log)
+    return Workers(_start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log), port, sockets, log)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+async def workers(vllm_server: VllmServer, tiny_model_dir: Path, tiny_snac_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Workers]:
+    root = tmp_path_factory.mktemp("workers")
+    running = _start_workers(vllm_server, tiny_model_dir, tiny_snac_dir, root)
+    proc = running.proc
     try:
         await running.wait_all_ready()
         yield running
@@ -219,3 +230,27 @@ async def test_sigterm_stops_the_supervisor_and_its_workers(workers: Workers) ->
     assert workers.proc.wait(timeout=60) == 0
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not list(workers.sockets.iterdir())
+
+
+async def test_children_stop_when_the_supervisor_is_killed(vllm_server: VllmServer, tiny_model_dir: Path,
+                                                           tiny_snac_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL gives the supervisor no chance to stop its children; they stop themselves (PR_SET_PDEATHSIG), so
+    no orphaned worker keeps serving the port."""
+    running = _start_workers(vllm_server, tiny_model_dir, tiny_snac_dir, tmp_path)
+    children: list[int] = []
+    try:
+        await running.wait_all_ready()
+        children = running.worker_pids() + running.worker_pids("gateway.codec_server")
+        assert len(children) == WORKERS + 1
+        running.proc.kill()
+        running.proc.wait(timeout=30)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while alive := [pid for pid in children if _running(pid)]:
+            assert time.monotonic() < deadline, f"{alive} outlived the supervisor:\n{running.log_tail()}"
+            await asyncio.sleep(0.5)
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(running.proc.pid, signal.SIGKILL)
