@@ -27,11 +27,10 @@ def register() -> None:
     global _server
     from gateway.codec_server import SERVER_ENV, serve_from_env
 
-    name = multiprocessing.current_process().name
-    if _server is not None or not os.environ.get(SERVER_ENV) or not name.startswith(ENGINE_CORE_PROCESS):
+    # With data parallelism the first engine core serves; the others' GPUs only generate.
+    in_first_engine_core = multiprocessing.current_process().name in (ENGINE_CORE_PROCESS, f"{ENGINE_CORE_PROCESS}_DP0")
+    if _server is not None or not os.environ.get(SERVER_ENV) or not in_first_engine_core:
         return
-    if name not in (ENGINE_CORE_PROCESS, f"{ENGINE_CORE_PROCESS}_DP0"):
-        return  # data parallel: the first engine core serves; the others' GPUs only generate
     try:
         _server = serve_from_env()
     except Exception:  # the engine still starts; gateways then report the socket unreachable per batch
