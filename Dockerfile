@@ -17,7 +17,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1
 
-# An editable install: the server serves web/ from beside the gateway package (gateway/server.py: WEB_DIR).
+# An editable install: the server serves web/ from beside the gateway package (gateway/edge/app.py: WEB_DIR).
 WORKDIR /opt/orpheus-gateway
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway

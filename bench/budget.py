@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.timing import token_budget
 from gateway.orpheus import build_prompt, split_sentences
-from gateway.synthesizer import Synthesizer
+from gateway.speech.synthesizer import Synthesizer
 
 
 class BudgetedEngine:

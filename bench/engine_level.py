@@ -17,7 +17,7 @@ from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, new
 from bench.settings import BenchOptions
 from bench.timing import FRAME_TOKENS
 from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt, split_sentences
-from gateway.synthesizer import Synthesizer, UtteranceStats
+from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 
 
 @dataclass

@@ -51,7 +51,7 @@ def chosen_model(args: argparse.Namespace) -> Iterator[ModelChoice]:
 
 
 def _tiny(root: Path) -> ModelChoice:
-    from gateway.devmodels import build_test_model, build_test_snac
+    from gateway.devtools.devmodels import build_test_model, build_test_snac
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", TINY_KV_CACHE_GIB)  # read by the engine process
     model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
@@ -61,7 +61,7 @@ def _tiny(root: Path) -> ModelChoice:
 
 def _random_orpheus(root: Path) -> ModelChoice:
     """Build once (several GB of bf16 weights), reuse on later runs."""
-    from gateway.devmodels import build_test_model, build_test_snac
+    from gateway.devtools.devmodels import build_test_model, build_test_snac
 
     if not (root / "config.json").exists():
         print(f"building a random {RANDOM_SHAPE} model in {root} (once) ...", flush=True)

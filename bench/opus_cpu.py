@@ -1,5 +1,5 @@
 """CPU per 20 ms frame of the media encode path: aiortc's own encoder (as the gateway used it before
-`gateway/encoder.py`) against the gateway's Opus stage, for speech and for silence, in the same run.
+`gateway/media/encoder.py`) against the gateway's Opus stage, for speech and for silence, in the same run.
 
     python -m bench.opus_cpu [--frames 2000] [--peers 32] [--out bench-results/opus-cpu.json]
 
@@ -25,8 +25,8 @@ import numpy as np
 import psutil
 from aiortc.codecs.opus import OpusEncoder
 
-from gateway.encoder import OpusTrack
-from gateway.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, PlayoutTrack
+from gateway.media.encoder import OpusTrack
+from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, PlayoutTrack
 
 SPEECH_LEVEL = 3000
 MS = 1000.0

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 
 from bench.timing import describe
-from gateway.codec import DecodeStats
+from gateway.speech.codec import DecodeStats
 
 LAG_INTERVAL_S = 0.01  # how often the lag monitor wakes up
 SNAC_THREAD_NAME = "snac-decoder"

@@ -31,7 +31,7 @@ from bench.report import markdown_table, pipeline_table, write_json
 from bench.scenarios import Workload, sweep, workload
 from bench.settings import BARE, ENGINE, WEBRTC, BenchOptions, build_parser, options_from_args
 from gateway.config import GatewayConfig
-from gateway.synthesizer import Synthesizer
+from gateway.speech.synthesizer import Synthesizer
 
 SCHEMA = "orpheus-gateway-bench/1"
 RESULTS_ROOT = Path("bench-results")
@@ -167,7 +167,7 @@ async def _measure_point(runner: PointRunner, planned: Workload, users: int, syn
 # --- command line ------------------------------------------------------------------------------------
 
 async def _run_cli(config: GatewayConfig, options: BenchOptions, argv: Sequence[str]) -> dict[str, Any]:
-    from gateway.server import freeze_startup_objects
+    from gateway.edge.state import freeze_startup_objects
 
     started = time.monotonic()
     synth = await asyncio.to_thread(Synthesizer.load, config)

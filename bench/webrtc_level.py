@@ -23,11 +23,11 @@ from aiohttp import web
 
 from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, new_record
 from bench.settings import BenchOptions
-from gateway.client import SILENCE_RMS, HeadlessPeer, ReceivedEvent, ReceivedFrame
 from gateway.config import GatewayConfig
-from gateway.playout import FRAME_MS
-from gateway.server import create_app
-from gateway.synthesizer import Synthesizer
+from gateway.devtools.client import SILENCE_RMS, HeadlessPeer, ReceivedEvent, ReceivedFrame
+from gateway.edge.app import create_app
+from gateway.media.playout import FRAME_MS
+from gateway.speech.synthesizer import Synthesizer
 
 LOOPBACK = "127.0.0.1"
 DONE_GRACE_S = 0.3  # the last RTP frames are still in flight when `done` arrives

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
+import signal
 import sys
 import time
 import wave
@@ -23,22 +26,34 @@ def _configure_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from gateway.server import create_app
+    from gateway.edge.app import create_app
+    from gateway.edge.http import GATEWAY_KEY
+    from gateway.speech.synthesizer import require_checkpoints
 
     config = config_mod.from_sources(args)
     _configure_logging(config.log_level)
+    require_checkpoints(config)  # before anything starts: a missing model is one line and exit 2
     if config.workers > 1:
-        from gateway.workers import run_supervisor
+        from gateway.cluster.workers import run_supervisor
 
         return run_supervisor(config)
-    web.run_app(create_app(config), host=config.host, port=config.port, access_log=None)
+    app = create_app(config)
+    state = app[GATEWAY_KEY]
+    # The engine loads after the port is open (health answers at once); if it cannot start, stop: an
+    # orchestrator restarts or reports a process that exits, not one that stays "not ready" for ever.
+    state.on_failure = lambda _reason: os.kill(os.getpid(), signal.SIGTERM)
+    web.run_app(app, host=config.host, port=config.port, access_log=None)
+    if state.failure is not None:
+        print(f"orpheus-gateway: error: the speech engine cannot start: {state.failure}", file=sys.stderr)
+        return 1
     return 0
 
 
 async def _synth(args: argparse.Namespace) -> int:
-    from gateway.synthesizer import Synthesizer, UtteranceStats
+    from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 
-    config = config_mod.from_sources(args)
+    # One text needs no warm-up ladder: its bursts cost minutes on a CPU and memory beside the KV cache.
+    config = dataclasses.replace(config_mod.from_sources(args), warmup_batch_sizes=[])
     _configure_logging(config.log_level)
     synthesizer = await asyncio.to_thread(Synthesizer.load, config)
     await synthesizer.start()
@@ -73,16 +88,20 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return asyncio.run(_synth(args))
 
 
-def cmd_make_test_model(args: argparse.Namespace) -> int:
-    from gateway.devmodels import main as devmodels_main
+def run_make_test_model(argv: list[str]) -> int:
+    from gateway.devtools.devmodels import main as devmodels_main
 
-    return devmodels_main(args.rest)
+    return devmodels_main(argv)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def run_bench(argv: list[str]) -> int:
     from bench.run import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(argv)
+
+
+# Commands with parsers of their own: everything after the name is theirs, `--help` included.
+PASS_THROUGH = {"bench": run_bench, "make-test-model": run_make_test_model}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,18 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     config_mod.add_arguments(synth)
     synth.set_defaults(func=cmd_synth)
 
-    bench = sub.add_parser("bench", help="Benchmarks (see bench/README.md); arguments pass through.",
-                           add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=cmd_bench)
-
-    make = sub.add_parser("make-test-model", help="Write a random-weight Orpheus-shaped model (tests, benchmarks).")
-    make.add_argument("rest", nargs=argparse.REMAINDER)
-    make.set_defaults(func=cmd_make_test_model)
+    # Listed for the top-level help; `main` hands their arguments to their own parsers.
+    sub.add_parser("bench", help="Benchmarks (see bench/README.md); `bench --help` for its options.", add_help=False)
+    sub.add_parser("make-test-model", help="Write a random-weight Orpheus-shaped model (tests, benchmarks); "
+                   "`make-test-model --help` for its options.", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASS_THROUGH:
+        return PASS_THROUGH[argv[0]](argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

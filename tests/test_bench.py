@@ -14,9 +14,9 @@ from bench.run import run_scenarios
 from bench.settings import parse_options
 from bench.timing import describe, simulate_playback, token_budget
 from bench.webrtc_level import audio_frames
-from gateway.client import ReceivedFrame
 from gateway.config import GatewayConfig
-from gateway.synthesizer import Synthesizer
+from gateway.devtools.client import ReceivedFrame
+from gateway.speech.synthesizer import Synthesizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LOUD, TAIL, QUIET = 3000.0, 25.0, 0.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import wave
@@ -17,6 +16,7 @@ import pytest
 from gateway import config as config_mod
 from gateway.cli import build_parser
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
+from tests.support import free_port
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -82,9 +82,71 @@ def test_synth_writes_valid_wav(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_p
         env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrote" in proc.stdout
+    assert "warmed up" not in proc.stderr, "one text needs no warm-up ladder"
     with wave.open(str(out)) as wav:
         assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
         assert wav.getnframes() > 0 and wav.getnframes() % SAMPLES_PER_FRAME == 0
+
+
+def test_bench_help_prints_the_benchs_options() -> None:
+    for command, option in (("bench", "--scenario"), ("make-test-model", "--shape")):
+        proc = subprocess.run([sys.executable, "-m", "gateway", command, "--help"], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert option in proc.stdout and "unrecognized" not in proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "env", "looked_for", "fix"), [
+    (["--snac-model", "/no/such/snac"], {}, "SNAC codec '/no/such/snac': no such folder", "--snac-model PATH"),
+    (["--model", "./missing-model"], {}, "model './missing-model': no such folder", "--model PATH"),
+    # A hub id that is not in the cache, with the hub off: one line, no retries, no traceback.
+    (["--snac-model", "nobody/no-such-snac"], {"HF_HUB_OFFLINE": "1"}, "not in the Hugging Face cache",
+     "--snac-model PATH"),
+])
+@pytest.mark.parametrize("command", ["synth", "serve"])
+def test_missing_checkpoint_is_one_clear_line(tiny_model_dir: Path, command: str, flags: list[str],
+                                              env: dict[str, str], looked_for: str, fix: str) -> None:
+    model = [] if "--model" in flags else ["--model", str(tiny_model_dir)]
+    text = ["hi"] if command == "synth" else []
+    proc = subprocess.run([sys.executable, "-m", "gateway", command, *text, *model, *flags, "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert looked_for in lines[0] and fix in lines[0] and "make-test-model" in lines[0]
+
+
+def test_cpu_start_caps_warm_up_and_kv_cache() -> None:
+    from gateway.speech.engine import CPU_KV_CACHE_GIB, GIB, vllm_engine_settings, warmup_sizes
+
+    config = config_mod.from_sources(parse([]), env={})
+    assert warmup_sizes(config) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert warmup_sizes(config, on_cpu=True) == [1, 2], "no 256-request burst on a CPU"
+    assert vllm_engine_settings(config, on_cpu=True)["kv_cache_memory_bytes"] == int(CPU_KV_CACHE_GIB * GIB)
+    assert "kv_cache_memory_bytes" not in vllm_engine_settings(config, on_cpu=False), "a GPU keeps its share"
+    sized = config_mod.from_sources(parse(["--kv-cache-memory-gib", "3"]), env={})
+    assert vllm_engine_settings(sized, on_cpu=False)["kv_cache_memory_bytes"] == 3 * GIB
+    with pytest.raises(config_mod.ConfigError, match="gpu_memory_utilization"):
+        config_mod.from_sources(parse(["--gpu-memory-utilization", "1.5"]), env={})
+
+
+def test_one_mapping_of_settings_to_vllm_serve_flags() -> None:
+    from gateway.cluster.workers import vllm_serve_command
+    from gateway.speech.engine import vllm_engine_settings
+
+    config = config_mod.from_sources(parse(["--max-num-seqs", "64", "--no-enable-prefix-caching",
+                                            "--enforce-eager", "--quantization", "fp8"]), env={})
+    settings = vllm_engine_settings(config, on_cpu=False)
+    command = vllm_serve_command(config, "127.0.0.1", 8001)
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            assert flag in command, flag
+        elif value is False:
+            assert flag not in command
+        else:
+            assert command[command.index(flag) + 1] == str(value), flag
+    assert "--no-enable-prefix-caching" in command and "--enable-chunked-prefill" in command
 
 
 def test_synth_bad_setting_exits_cleanly() -> None:
@@ -94,19 +156,15 @@ def test_synth_bad_setting_exits_cleanly() -> None:
     assert "jitter_buffer_ms" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.engine
 async def test_serve_healthy_before_ready(tiny_model_dir: Path, tiny_snac_dir: Path) -> None:
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--model", str(tiny_model_dir), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu",
-        env=cli_env(), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    log_path = tiny_model_dir.parent / f"serve-{port}.log"
+    with open(log_path, "wb") as log:  # noqa: ASYNC230 -- once, before the child starts: nothing waits on it
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(tiny_model_dir), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu",
+            env=cli_env(), stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
@@ -129,6 +187,22 @@ async def test_serve_healthy_before_ready(tiny_model_dir: Path, tiny_snac_dir: P
             async with http.post(f"{base}/v1/audio/speech", json=body) as r:
                 assert r.status == 200
                 assert len(await r.read()) % (2 * SAMPLES_PER_FRAME) == 0
+        # The default ladder (1..256, within max_num_seqs 8) is capped on a CPU: ready soon after the engine.
+        assert "vLLM engine warmed up at batch sizes [1, 2] in" in log_path.read_text(errors="replace")
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 60)
+
+
+@pytest.mark.engine
+def test_serve_whose_engine_cannot_start_says_why_and_exits(tiny_model_dir: Path, tiny_snac_dir: Path) -> None:
+    """An engine that fails to initialise (here: a KV cache larger than the machine's memory) is not a gateway
+    that stays up "not ready" for ever: one line saying why, and a non-zero exit."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+         "--model", str(tiny_model_dir), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu",
+         "--kv-cache-memory-gib", "100000"],
+        env={k: v for k, v in cli_env().items() if k != "VLLM_CPU_KVCACHE_SPACE"}, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "orpheus-gateway: error: the speech engine cannot start:" in proc.stderr.strip().splitlines()[-1]

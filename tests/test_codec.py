@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -10,34 +11,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.codec import DecodeBatcher, DecodeWindow, SnacModel, StreamWindower
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame, frames_to_layers
+from gateway.speech.codec import DecodeBatcher, DecodeWindow, SnacModel, StreamWindower, decode_windows
+from tests.support import first_window, make_frames, take_all
 
 FAST = settings(deadline=None, database=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 
 
-def make_frames(n: int, seed: int = 0) -> list[Frame]:
-    rng = np.random.default_rng(seed)
-    return [tuple(int(c) for c in rng.integers(0, 4096, 7)) for _ in range(n)]  # type: ignore[misc]
 
 
 def kept(window: DecodeWindow) -> tuple[Frame, ...]:
     return window.frames[window.keep_from:window.keep_from + window.keep_count]
 
 
-def take_all(windower: StreamWindower, final: bool = False) -> list[DecodeWindow]:
-    windows: list[DecodeWindow] = []
-    while (window := windower.take(final)) is not None:
-        windows.append(window)
-    return windows
 
 
-def first_window(frames: list[Frame], context: int = 1, lookahead: int = 1) -> DecodeWindow:
-    windower = StreamWindower(context, lookahead)
-    windower.push(frames)
-    window = windower.take(final=len(frames) <= lookahead)
-    assert window is not None
-    return window
 
 
 @pytest.mark.parametrize(("context", "lookahead", "hop", "max_hop"),
@@ -219,7 +207,7 @@ def test_window_lengths_for_graph_capture() -> None:
 
 @pytest.fixture(scope="module")
 def snac(tmp_path_factory: pytest.TempPathFactory) -> SnacModel:
-    from gateway.devmodels import build_test_snac
+    from gateway.devtools.devmodels import build_test_snac
 
     path: Path = build_test_snac(tmp_path_factory.mktemp("snac"))
     return SnacModel.load(str(path), "cpu")
@@ -230,7 +218,7 @@ def test_decode_batch_shapes(snac: SnacModel) -> None:
     windower.push(make_frames(4))
     windows = take_all(windower)
     assert [w.length for w in windows] == [2, 3, 3]
-    pcm = snac.decode(windows[1:3])
+    pcm = decode_windows(snac, windows[1:3])
     assert [len(p) for p in pcm] == [SAMPLES_PER_FRAME, SAMPLES_PER_FRAME]
     assert all(p.dtype == np.int16 for p in pcm)
     assert any(np.abs(p).max() > 0 for p in pcm)
@@ -249,7 +237,7 @@ def test_batched_decode_equals_decoding_each_window_alone(snac: SnacModel) -> No
         windower = StreamWindower(1, 1, 1)
         windower.push(make_frames(6, seed=3))
         windows = [w for w in take_all(windower) if w.length == 3]
-        pcm = snac.decode(windows)
+        pcm = decode_windows(snac, windows)
         for window, samples in zip(windows, pcm, strict=True):
             layers = [torch.tensor([layer]) for layer in frames_to_layers(window.frames)]
             with torch.inference_mode():
@@ -308,16 +296,39 @@ async def test_decode_many_keeps_order_and_counts_frames(snac: SnacModel) -> Non
         batcher.close()
 
 
+class GatedDecoder:
+    """The real decoder, whose passes wait until the test opens the gate (so rounds queue up meanwhile)."""
+
+    def __init__(self, snac: SnacModel) -> None:
+        self.snac = snac
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.rows = 0
+
+    def decode_codes(self, codes: np.ndarray, frames: int) -> np.ndarray:
+        self.entered.set()
+        self.gate.wait(timeout=30)
+        self.rows += len(codes)
+        return self.snac.decode_codes(codes, frames)
+
+
 async def test_cancelled_round_is_skipped(snac: SnacModel) -> None:
-    batcher = DecodeBatcher(snac, max_batch=8)
+    decoder = GatedDecoder(snac)
+    batcher = DecodeBatcher(decoder, max_batch=8)
     try:
+        busy = asyncio.ensure_future(batcher.decode(first_window(make_frames(3, seed=9))))
+        assert await asyncio.to_thread(decoder.entered.wait, 30), "the first pass is running"
         windows = [first_window(make_frames(3, seed=s)) for s in range(3)]
-        task = asyncio.ensure_future(batcher.decode_many(windows))
+        task = asyncio.ensure_future(batcher.decode_many(windows))  # queued behind the running pass
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        decoder.gate.set()
+        await busy
         assert len(await batcher.decode(windows[0])) == SAMPLES_PER_FRAME, "the worker goes on"
+        assert batcher.stats.skipped == 3, "the cancelled round never reached the model"
+        assert decoder.rows == 2, "only the running pass and the last window were decoded"
     finally:
         batcher.close()
 

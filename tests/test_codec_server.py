@@ -1,10 +1,8 @@
 """The shared SNAC decoder on a Unix socket: same audio as in-process decoding, requests of several clients in
-one pass, clear errors for bad requests and a missing server, and the vLLM plugin that serves it from the
-engine core (the real `vllm serve` of conftest runs it)."""
+one pass, clear errors for bad requests and a missing server."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import struct
@@ -15,19 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway import vllm_plugin
-from gateway.codec import DecodeBatcher, SnacModel, StreamWindower
-from gateway.codec_server import (
+from gateway.orpheus import SAMPLES_PER_FRAME
+from gateway.speech.codec import DecodeBatcher, SnacModel, StreamWindower, decode_windows
+from gateway.speech.codec_server import (
     HEADER,
     SERVER_ENV,
     STATUS_ERROR,
     CodecClient,
     CodecServer,
     CodecServerSettings,
-    engine_codec_env,
+    codec_server_env,
 )
-from gateway.orpheus import SAMPLES_PER_FRAME, windows_to_layer_codes
-from tests.test_codec import first_window, make_frames, take_all
+from tests.support import first_window, make_frames, take_all
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +74,13 @@ def test_client_decodes_as_the_model_does(snac: SnacModel, server_path: Path) ->
     client = CodecClient(server_path)
     try:
         windows = windows_of(3)
-        remote = client.decode(windows)
-        local = snac.decode(windows)
+        remote = decode_windows(client, windows)
+        local = decode_windows(snac, windows)
         assert [len(p) for p in remote] == [SAMPLES_PER_FRAME] * len(windows)
         for a, b in zip(remote, local, strict=True):
             assert np.array_equal(a, b)
         first = first_window(make_frames(2, seed=5))  # another length on the same connection
-        assert np.array_equal(client.decode([first])[0], snac.decode([first])[0])
+        assert np.array_equal(decode_windows(client, [first])[0], decode_windows(snac, [first])[0])
     finally:
         client.close()
         server.close()
@@ -99,7 +96,7 @@ def test_requests_waiting_together_share_one_pass_and_get_their_own_rows(snac: S
     window_sets = [windows_of(10 + i) for i in range(3)]
 
     def call(i: int) -> None:
-        results[i] = clients[i].decode(window_sets[i])
+        results[i] = decode_windows(clients[i], window_sets[i])
 
     try:
         first = threading.Thread(target=call, args=(0,))
@@ -116,7 +113,7 @@ def test_requests_waiting_together_share_one_pass_and_get_their_own_rows(snac: S
             t.join(timeout=30)
         assert server.batches == 2, "the two requests that waited went through SNAC together"
         for i, windows in enumerate(window_sets):
-            for got, want in zip(results[i], snac.decode(windows), strict=True):
+            for got, want in zip(results[i], decode_windows(snac, windows), strict=True):
                 assert np.array_equal(got, want)
     finally:
         gated.release.set()
@@ -153,7 +150,7 @@ def test_bad_requests_get_an_error_and_the_server_goes_on(snac: SnacModel, serve
         status, body = _raw_request(server_path, HEADER.pack(frames, rows) + struct.pack(f"<{len(codes)}h", *codes))
         assert status == STATUS_ERROR and message in body.decode()
         client = CodecClient(server_path)
-        assert len(client.decode(windows_of(1))[0]) == SAMPLES_PER_FRAME, "other clients are served"
+        assert len(decode_windows(client, windows_of(1))[0]) == SAMPLES_PER_FRAME, "other clients are served"
         client.close()
     finally:
         server.close()
@@ -173,8 +170,8 @@ def test_a_decode_error_is_reported_and_the_client_recovers(snac: SnacModel, ser
     client = CodecClient(server_path)
     try:
         with pytest.raises(RuntimeError, match="SNAC decode failed: out of memory"):
-            client.decode(windows_of(2))
-        assert len(client.decode(windows_of(2))) == 4, "the next batch reconnects and decodes"
+            decode_windows(client, windows_of(2))
+        assert len(decode_windows(client, windows_of(2))) == 4, "the next batch reconnects and decodes"
     finally:
         client.close()
         server.close()
@@ -206,40 +203,13 @@ async def test_without_a_server_a_batch_fails_clearly_and_decoding_resumes_when_
 def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
     settings = CodecServerSettings(socket=str(tmp_path / "s.sock"), snac_model="x", snac_dtype="bfloat16",
                                    cuda_graphs=False, window_lengths=(2, 3), max_batch=8)
-    env = engine_codec_env(settings)
+    env = codec_server_env(settings)
     assert CodecServerSettings.from_env(env[SERVER_ENV]) == settings
-    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-
-
-def test_plugin_serves_only_in_the_engine_core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                               tiny_snac_dir: Path) -> None:
-    settings = CodecServerSettings(socket=str(tmp_path / "s.sock"), snac_model=str(tiny_snac_dir),
-                                   cuda_graphs=False, window_lengths=(3,), max_batch=4)
-    monkeypatch.setenv(SERVER_ENV, settings.to_env())
-    vllm_plugin.register()  # this is the test process, not vLLM's engine core
-    assert vllm_plugin._server is None and not (tmp_path / "s.sock").exists()
-
-
-async def test_vllm_serve_engine_core_serves_snac(vllm_server: object, tiny_snac_dir: Path) -> None:
-    """conftest's `vllm serve` runs with ORPHEUS_GATEWAY_SNAC_SERVER: the plugin, found through the entry
-    point, decodes in its engine-core process."""
-    snac_socket = vllm_server.snac_socket  # type: ignore[attr-defined]
-    assert await asyncio.to_thread(Path(snac_socket).is_socket)
-    client = CodecClient(snac_socket)
-    try:
-        windows = windows_of(4)
-        pcm = await asyncio.to_thread(client.decode, windows)
-        assert [p.shape for p in pcm] == [(SAMPLES_PER_FRAME,)] * len(windows)
-        assert all(np.abs(p).max() > 0 for p in pcm)
-        codes = windows_to_layer_codes([w.frames for w in windows])
-        assert (await asyncio.to_thread(client.decode_codes, codes, 3)).shape == (len(windows), 3 * SAMPLES_PER_FRAME)
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"snac_placement": "gpu"}, "snac_placement must be one of process, shared, engine"),
-    ({"snac_placement": "engine", "vllm_urls": ["http://gpu1:8001"]}, "snac_placement engine needs the engine"),
+    ({"snac_placement": "gpu"}, "snac_placement must be one of process, shared"),
+    ({"snac_placement": "engine"}, "snac_placement must be one of process, shared"),
 ])
 def test_bad_placements_are_refused(overrides: dict[str, object], message: str) -> None:
     from gateway.config import ConfigError, from_sources
@@ -253,27 +223,6 @@ def test_server_process_without_settings_exits_with_a_message() -> None:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
-    done = subprocess.run([sys.executable, "-m", "gateway.codec_server"], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-m", "gateway.speech.codec_server"], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 2 and f"{SERVER_ENV} is not set" in done.stderr
-
-
-@pytest.mark.engine
-async def test_in_process_engine_serves_snac_from_its_engine_core(tiny_model_dir: Path, tiny_snac_dir: Path) -> None:
-    """--snac-placement engine in one process: the AsyncLLM's engine core (spawned with the codec settings in
-    its environment only) serves SNAC, and the gateway speaks through it."""
-    from gateway.synthesizer import Synthesizer
-    from tests.conftest import tiny_config
-
-    synth = Synthesizer.load(tiny_config(tiny_model_dir, tiny_snac_dir, snac_placement="engine"))
-    client = synth.decoder.model
-    assert isinstance(client, CodecClient)
-    await synth.start()
-    try:
-        assert SERVER_ENV not in os.environ, "the settings went to the engine core, not into our environment"
-        assert await asyncio.to_thread(Path(client.path).is_socket)
-        chunks = [chunk async for chunk in synth.utterance("Hello there.")]
-        assert sum(len(c.pcm) for c in chunks) > 0 and synth.decoder.stats.batches > 0
-    finally:
-        await synth.close()
-    assert not await asyncio.to_thread(Path(client.path).parent.exists), "the socket's folder went with it"

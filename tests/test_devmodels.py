@@ -1,4 +1,4 @@
-"""The test models of gateway.devmodels: tokenizer, structured weights (checked with transformers, not
+"""The test models of gateway.devtools.devmodels: tokenizer, structured weights (checked with transformers, not
 vLLM), stop calibration, the random SNAC and the CLI."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from gateway import devmodels
-from gateway.devmodels import (
+from gateway.devtools import devmodels
+from gateway.devtools.devmodels import (
     AUDIO_TOKEN_BASE,
     BOS_ID,
     CODEBOOK_SIZE,

@@ -11,8 +11,8 @@ from aiortc.codecs.opus import OpusDecoder, OpusEncoder
 from aiortc.jitterbuffer import JitterFrame
 
 from gateway.config import ConfigError, from_sources
-from gateway.encoder import SILENCE_TAIL_FRAMES, OpusTrack
-from gateway.playout import FRAME_SAMPLES, PlayoutTrack
+from gateway.media.encoder import SILENCE_TAIL_FRAMES, OpusTrack
+from gateway.media.playout import FRAME_SAMPLES, PlayoutTrack
 
 SPEECH_LEVEL = 4000
 FRAMES = 25

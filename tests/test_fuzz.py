@@ -17,14 +17,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import AccessPolicy, AuthError, verify_session_token
-from gateway.client import HeadlessPeer
 from gateway.config import GatewayConfig
-from gateway.http import OFFER_PATH
-from gateway.server import Gateway
-from gateway.session import MAX_ABANDONED_IDS, ProtocolError, SessionManager
-from gateway.synthesizer import Synthesizer
-from tests.test_reliability import EVENT_TIMEOUT_S, detached_session, offer_sdp, running
+from gateway.devtools.client import HeadlessPeer
+from gateway.edge.auth import AccessPolicy, AuthError, verify_session_token
+from gateway.edge.http import OFFER_PATH
+from gateway.edge.state import GatewayState
+from gateway.rtc.protocol import ProtocolError
+from gateway.rtc.session import MAX_ABANDONED_IDS
+from gateway.speech.synthesizer import Synthesizer
+from tests.support import EVENT_TIMEOUT_S, detached_session, offer_sdp, running, wait_until
 
 FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 HANDLE_EXAMPLES = 300  # pure Python, no engine: cheap
@@ -72,8 +73,7 @@ offer_fields = st.fixed_dictionaries({}, optional={
 @given(batch=st.lists(messages, max_size=25))
 async def test_handle_raises_only_protocol_errors(
         test_config: GatewayConfig, synthesizer: Synthesizer, batch: list[str | bytes]) -> None:
-    gateway = Gateway(test_config, synthesizer)
-    gateway.sessions = SessionManager(gateway)
+    gateway = GatewayState(test_config, synthesizer)
     async with detached_session(gateway) as session:
         for raw in batch:
             try:
@@ -82,14 +82,14 @@ async def test_handle_raises_only_protocol_errors(
             except ProtocolError as exc:
                 assert exc.code and str(exc)
                 event(f"refused: {exc.code}")
-            assert len(session._utterances) <= test_config.max_queued_utterances
+            assert len(session.utterances) <= test_config.max_queued_utterances
             assert len(session._abandoned) <= MAX_ABANDONED_IDS
 
 
 # --- through a live peer -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-async def fuzz_server(test_config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[tuple[str, Gateway]]:
+async def fuzz_server(test_config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[tuple[str, GatewayState]]:
     # No message rate limit (examples run back to back); answered offers that never connect are reaped fast.
     config = dataclasses.replace(test_config, max_messages_per_second=0.0, session_connect_timeout_s=2.0)
     async with running(config, synthesizer) as served:
@@ -103,7 +103,7 @@ async def real_offer_lines() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-async def live_peer(fuzz_server: tuple[str, Gateway]) -> AsyncIterator[HeadlessPeer]:
+async def live_peer(fuzz_server: tuple[str, GatewayState]) -> AsyncIterator[HeadlessPeer]:
     peer = HeadlessPeer(fuzz_server[0], jitter_buffer_ms=0)
     await peer.connect()
     yield peer
@@ -124,7 +124,6 @@ async def test_live_session_survives_any_messages(live_peer: HeadlessPeer, batch
 
 
 async def _wait_pong(peer: HeadlessPeer, marker: str) -> None:
-    from tests.test_synthesizer import wait_until
 
     await wait_until(lambda: any(e.message.get("t") == marker for e in peer.find("pong")), timeout=EVENT_TIMEOUT_S)
 
@@ -146,7 +145,7 @@ async def _check_response(resp: aiohttp.ClientResponse) -> dict[str, Any] | None
 @pytest.mark.engine
 @settings(FUZZ, max_examples=HTTP_EXAMPLES)
 @given(body=http_bodies)
-async def test_speech_bodies_get_audio_or_a_json_error(fuzz_server: tuple[str, Gateway], body: bytes) -> None:
+async def test_speech_bodies_get_audio_or_a_json_error(fuzz_server: tuple[str, GatewayState], body: bytes) -> None:
     async with aiohttp.ClientSession() as http, http.post(f"{fuzz_server[0]}/v1/audio/speech", data=body) as resp:
         await _check_response(resp)  # a 200 is closed at once: the request is aborted in the engine
 
@@ -154,8 +153,8 @@ async def test_speech_bodies_get_audio_or_a_json_error(fuzz_server: tuple[str, G
 @pytest.mark.engine
 @settings(FUZZ, max_examples=HTTP_EXAMPLES)
 @given(data=st.data())
-async def test_offer_bodies_get_an_answer_or_a_json_error(fuzz_server: tuple[str, Gateway], real_offer_lines: list[str],
-                                                          data: st.DataObject) -> None:
+async def test_offer_bodies_get_an_answer_or_a_json_error(fuzz_server: tuple[str, GatewayState],
+                                                          real_offer_lines: list[str], data: st.DataObject) -> None:
     kind = data.draw(st.sampled_from(["bytes", "fields", "mutated_sdp"]))
     if kind == "bytes":
         body = data.draw(http_bodies)

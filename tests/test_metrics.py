@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import Metrics, merge_worker_expositions
+from gateway.service.metrics import Metrics, merge_worker_expositions
 
 
 def test_merged_exposition_labels_every_sample_with_its_worker() -> None:

@@ -1,4 +1,4 @@
-"""Tests for gateway.playout: frame format, pacing, resampling, jitter buffer, events."""
+"""Tests for gateway.media.playout: frame format, pacing, resampling, jitter buffer, events."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from aiortc.codecs.opus import OpusEncoder
 from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import compute_audio_level_dbov
 
-from gateway.playout import (
+from gateway.config import JITTER_BUFFER_MAX_MS
+from gateway.media.playout import (
     FRAME_MS,
     FRAME_SAMPLES,
-    MAX_JITTER_BUFFER_MS,
     SAMPLE_RATE_IN,
     SAMPLE_RATE_OUT,
     PlayoutEvent,
@@ -260,13 +260,13 @@ async def test_zero_jitter_buffer_starts_with_first_frame() -> None:
     assert not is_silent(await track.recv())
 
 
-@pytest.mark.parametrize("bad", [-1, MAX_JITTER_BUFFER_MS + 1, float("nan"), True])
+@pytest.mark.parametrize("bad", [-1, JITTER_BUFFER_MAX_MS + 1, float("nan"), True])
 def test_jitter_buffer_out_of_range_raises(bad: float) -> None:
     track = PlayoutTrack(pace=False)
     with pytest.raises(ValueError, match="jitter_buffer_ms"):
         track.begin_utterance("u", bad)
     track.begin_utterance("lo", 0)
-    track.begin_utterance("hi", MAX_JITTER_BUFFER_MS)
+    track.begin_utterance("hi", JITTER_BUFFER_MAX_MS)
 
 
 def test_input_validation() -> None:

@@ -19,56 +19,42 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCSessionDescription
 
-from gateway.admission import AT_CAPACITY, Admission, CapacityError, TokenBucket
-from gateway.auth import AccessPolicy, AuthError, make_session_token, normalize_origin, verify_session_token
-from gateway.client import HeadlessPeer
-from gateway.codec import DecodeWindow
-from gateway.config import ConfigError, GatewayConfig, from_sources
-from gateway.engine import EngineState
-from gateway.http import GATEWAY_KEY, OFFER_PATH
+from gateway.config import ConfigError, GatewayConfig, from_sources, normalize_origin
+from gateway.devtools.client import HeadlessPeer
+from gateway.edge.auth import AccessPolicy, AuthError, make_session_token, verify_session_token
+from gateway.edge.http import OFFER_PATH
+from gateway.edge.state import GatewayState
 from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
-from gateway.server import Gateway, create_app
-from gateway.session import CONTROL_LABEL, ProtocolError, Session, SessionManager
-from gateway.synthesizer import Synthesizer
-from tests.test_synthesizer import wait_until
+from gateway.rtc.session import ProtocolError
+from gateway.service.admission import AT_CAPACITY, Admission, CapacityError, TokenBucket
+from gateway.speech.codec import DecodeWindow
+from gateway.speech.engine import EngineState
+from gateway.speech.synthesizer import Synthesizer
+from tests.support import (
+    EVENT_TIMEOUT_S,
+    EVIL,
+    SCHOOL,
+    SECRET,
+    TOKEN,
+    detached_session,
+    offer_sdp,
+    running,
+    vanish,
+    wait_until,
+)
 
-TOKEN = "static-token-for-tests-0123456789"
-SECRET = "hmac-secret-for-tests-0123456789"
 OTHER_SECRET = "another-secret-for-tests-987654"
-SCHOOL = "https://school.example"
-EVIL = "https://evil.example"
 LONG_TEXT = " ".join(f"This is sentence number {i} of a long lesson." for i in range(12))
-EVENT_TIMEOUT_S = 60.0  # the engine is slow on a shared 2-core CPU
 CLEANUP_TIMEOUT_S = 30.0
 ENGINE_RESTART_TIMEOUT_S = 300.0
 
 
 # --- helpers (also used by test_fuzz and test_soak) ----------------------------------------------------
 
-@contextlib.asynccontextmanager
-async def running(config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[tuple[str, Gateway]]:
-    """The gateway app on 127.0.0.1 around the shared synthesizer: (base url, gateway)."""
-    app = create_app(config, synthesizer)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield str(server.make_url("")).rstrip("/"), app[GATEWAY_KEY]
-    finally:
-        await server.close()
 
 
-async def offer_sdp() -> str:
-    """A valid browser-like offer (recvonly audio + `control` data channel); its peer is closed at once."""
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc.createDataChannel(CONTROL_LABEL)
-    pc.addTransceiver("audio", direction="recvonly")
-    await pc.setLocalDescription(await pc.createOffer())
-    sdp = pc.localDescription.sdp
-    await pc.close()
-    return sdp
 
 
 async def connect_with(peer: HeadlessPeer, *, query: str = "", headers: dict[str, str] | None = None) -> None:
@@ -84,42 +70,12 @@ async def connect_with(peer: HeadlessPeer, *, query: str = "", headers: dict[str
     await peer.wait_event("ready", timeout=EVENT_TIMEOUT_S)
 
 
-class _SilentTransport:
-    """A UDP transport whose packets go nowhere (everything else is the real one)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def sendto(self, data: bytes, addr: Any = None) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
-def vanish(peer: HeadlessPeer) -> None:
-    """Cut the peer off the network without closing anything: its packets stop, as when a laptop sleeps."""
-    for ice in peer.pc._RTCPeerConnection__iceTransports:  # type: ignore[attr-defined]
-        for protocol in ice._connection._protocols:
-            protocol.transport = _SilentTransport(protocol.transport)
 
 
-@contextlib.asynccontextmanager
-async def detached_session(gateway: Gateway) -> AsyncIterator[Session]:
-    """A session with no remote peer and no synthesis worker: `handle()` runs, nothing reaches the engine."""
-    session = Session(gateway.sessions, RTCPeerConnection(RTCConfiguration(iceServers=[])), gateway.config.voice, 0)
-    for task in (session._worker, session._watchdog):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    try:
-        yield session
-    finally:
-        await session.close()
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 async def error_of(resp: aiohttp.ClientResponse, status: int, code: str) -> dict[str, Any]:
@@ -267,19 +223,18 @@ needs_engine = pytest.mark.engine  # the tests above need no engine; the ones be
 @needs_engine
 async def test_pieces_of_a_cancelled_utterance_are_not_spoken_as_a_new_one(
         test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
-    gateway = Gateway(test_config, synthesizer)
-    gateway.sessions = SessionManager(gateway)
+    gateway = GatewayState(test_config, synthesizer)
     async with detached_session(gateway) as session:
         session.handle('{"type": "speak", "id": "s", "text": "Today we learn ", "more": true}')
         session.handle('{"type": "cancel", "id": "s"}')
-        assert "s" not in session._utterances
+        assert "s" not in session.utterances
         with pytest.raises(ProtocolError) as ended:
             session.handle('{"type": "speak", "id": "s", "text": "colours. ", "more": true}')
         assert ended.value.code == "utterance_ended" and ended.value.utterance_id == "s"
         with pytest.raises(ProtocolError):
             session.handle('{"type": "speak", "id": "s", "text": "The end."}')  # its last piece frees the id
         session.handle('{"type": "speak", "id": "s", "text": "A new utterance."}')
-        assert session._utterances["s"].closed
+        assert session.utterances["s"].closed
 
 
 # --- HTTP: auth, origins, CORS -----------------------------------------------------------------------

@@ -24,13 +24,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway import config as config_mod
 from gateway.cli import build_parser
 from gateway.config import ConfigError, GatewayConfig
-from gateway.engine import EngineDeadError, EngineState, EngineUnavailableError
+from gateway.edge.app import create_app
 from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt
-from gateway.remote import RemoteEngine
-from gateway.server import create_app
-from gateway.synthesizer import Synthesizer, UtteranceStats
-from tests.conftest import SERVER_START_TIMEOUT_S, VllmServer, free_port, tiny_config
-from tests.test_synthesizer import wait_until
+from gateway.speech.engine import EngineDeadError, EngineState, EngineUnavailableError
+from gateway.speech.remote import RemoteEngine
+from gateway.speech.synthesizer import Synthesizer, UtteranceStats
+from tests.support import SERVER_START_TIMEOUT_S, VllmServer, free_port, tiny_config, wait_until
 
 LONG_TEXT = "This utterance will lose its server."
 LONG_SEED = 23

@@ -11,9 +11,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.config import GatewayConfig
+from gateway.edge.app import create_app
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
-from gateway.server import create_app
-from gateway.synthesizer import Synthesizer
+from gateway.speech.synthesizer import Synthesizer
+from tests.support import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -74,13 +75,17 @@ async def test_speech_streams_before_generation_ends(client: TestClient, synthes
 
 
 async def test_client_disconnect_aborts_request(client: TestClient, synthesizer: Synthesizer) -> None:
-    resp = await client.post("/v1/audio/speech", json={"input": "Never mind this one.", "response_format": "pcm"})
+    """A client that hangs up mid-stream aborts the engine request it was waiting on (not: it ran to its end)."""
+    engine = synthesizer.engine
+    aborted = engine.requests_aborted
+    text = " ".join(f"Sentence {i} that will never be heard." for i in range(8))  # a request is always running
+    resp = await client.post("/v1/audio/speech", json={"input": text, "response_format": "pcm"})
     await resp.content.readany()
     resp.close()
-    from tests.test_synthesizer import wait_until
 
-    await wait_until(lambda: synthesizer.engine.in_flight == 0)
-    await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
+    await wait_until(lambda: engine.in_flight == 0)
+    await wait_until(lambda: engine.unfinished_requests() == 0)
+    assert engine.requests_aborted == aborted + 1, "the running request was aborted, not finished"
 
 
 @pytest.mark.parametrize(

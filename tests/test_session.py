@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
 
-from gateway.client import HeadlessPeer
 from gateway.config import GatewayConfig
-from gateway.http import GATEWAY_KEY
-from gateway.playout import PlayoutEventKind
-from gateway.server import Gateway, create_app
-from gateway.session import MAX_MESSAGE_BYTES, Session
-from gateway.synthesizer import Synthesizer
-from tests.test_synthesizer import wait_until
+from gateway.devtools.client import HeadlessPeer
+from gateway.edge.app import create_app
+from gateway.edge.http import GATEWAY_KEY
+from gateway.edge.state import GatewayState
+from gateway.media.playout import PlayoutEventKind
+from gateway.rtc.protocol import MAX_MESSAGE_BYTES
+from gateway.rtc.session import Session
+from gateway.speech.synthesizer import Synthesizer
+from tests.support import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +42,7 @@ def base_url(server: TestServer) -> str:
 
 
 @pytest.fixture()
-def gateway(server: TestServer) -> Gateway:
+def gateway(server: TestServer) -> GatewayState:
     return server.app[GATEWAY_KEY]
 
 
@@ -52,7 +54,7 @@ async def peer(base_url: str) -> AsyncIterator[HeadlessPeer]:
     await p.close()
 
 
-def session_of(gateway: Gateway, peer: HeadlessPeer) -> Session:
+def session_of(gateway: GatewayState, peer: HeadlessPeer) -> Session:
     return gateway.sessions.sessions[peer.session_id]
 
 
@@ -91,7 +93,7 @@ async def test_rtp_frames_are_evenly_paced(peer: HeadlessPeer) -> None:
     assert all(f.samples == 960 for f in peer.frames[-50:])
 
 
-async def test_cancel_stops_audio_and_aborts_engine(peer: HeadlessPeer, gateway: Gateway) -> None:
+async def test_cancel_stops_audio_and_aborts_engine(peer: HeadlessPeer, gateway: GatewayState) -> None:
     engine = gateway.synthesizer.engine
     peer.speak("long", LONG_TEXT)
     await peer.wait_event("started", "long")
@@ -150,7 +152,7 @@ async def test_streamed_text_in_pieces(peer: HeadlessPeer) -> None:
     assert texts == ["Today we learn colours.", "Red is vermelho.", "Blue is azul."]
 
 
-async def test_eight_peers_each_hear_their_own(base_url: str, gateway: Gateway) -> None:
+async def test_eight_peers_each_hear_their_own(base_url: str, gateway: GatewayState) -> None:
     peers = [HeadlessPeer(base_url, jitter_buffer_ms=0) for _ in range(8)]
     await asyncio.gather(*(p.connect() for p in peers))
     try:
@@ -165,7 +167,7 @@ async def test_eight_peers_each_hear_their_own(base_url: str, gateway: Gateway) 
         await asyncio.gather(*(p.close() for p in peers))
 
 
-async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gateway: Gateway) -> None:
+async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gateway: GatewayState) -> None:
     """With 500 ms, playback starts only once 500 ms of the utterance is queued (or it is complete)."""
     peer = HeadlessPeer(base_url, jitter_buffer_ms=500)
     await peer.connect()
@@ -175,7 +177,7 @@ async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gatew
 
     def spy(event):  # type: ignore[no-untyped-def]
         if event.kind is PlayoutEventKind.STARTED:
-            utterance = session._utterances[event.utterance_id]
+            utterance = session.utterances[event.utterance_id]
             seen[event.utterance_id] = (utterance.stats.samples, utterance.stats.finished_at is not None)
         original(event)
 
@@ -257,7 +259,7 @@ async def test_bad_offer_fields(base_url: str) -> None:
     await peer.close()
 
 
-async def test_closed_peer_leaves_nothing_behind(base_url: str, gateway: Gateway) -> None:
+async def test_closed_peer_leaves_nothing_behind(base_url: str, gateway: GatewayState) -> None:
     engine = gateway.synthesizer.engine
     await asyncio.sleep(0.2)
     sessions_before = len(gateway.sessions.sessions)
@@ -273,7 +275,7 @@ async def test_closed_peer_leaves_nothing_behind(base_url: str, gateway: Gateway
     await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before, timeout=10)
 
 
-async def test_delete_session(base_url: str, gateway: Gateway) -> None:
+async def test_delete_session(base_url: str, gateway: GatewayState) -> None:
     peer = HeadlessPeer(base_url)
     await peer.connect()
     async with aiohttp.ClientSession() as http:
@@ -287,6 +289,13 @@ async def test_delete_session(base_url: str, gateway: Gateway) -> None:
 
 
 async def test_metrics_count_sessions_and_utterances(base_url: str) -> None:
+    peer = HeadlessPeer(base_url, jitter_buffer_ms=0)  # its own session and utterance: passes run alone too
+    try:
+        await peer.connect()
+        peer.speak("m1", "Count me.")
+        await peer.wait_event("done", "m1", timeout=120)
+    finally:
+        await peer.close()
     async with aiohttp.ClientSession() as http, http.get(f"{base_url}/metrics") as resp:
         text = await resp.text()
     assert "orpheus_sessions_active" in text

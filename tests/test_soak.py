@@ -23,12 +23,11 @@ import aiohttp
 import psutil
 import pytest
 
-from gateway.client import HeadlessPeer
 from gateway.config import GatewayConfig
-from gateway.server import Gateway
-from gateway.synthesizer import Synthesizer
-from tests.test_reliability import EVENT_TIMEOUT_S, fd_count, running, vanish
-from tests.test_synthesizer import wait_until
+from gateway.devtools.client import HeadlessPeer
+from gateway.edge.state import GatewayState
+from gateway.speech.synthesizer import Synthesizer
+from tests.support import EVENT_TIMEOUT_S, fd_count, running, vanish, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -120,7 +119,7 @@ async def _wave(base: str, first: int, count: int, rng: random.Random) -> list[B
     return [r for r in results if isinstance(r, BaseException)]
 
 
-def _settled(gateway: Gateway) -> bool:
+def _settled(gateway: GatewayState) -> bool:
     engine = gateway.synthesizer.engine
     return (not gateway.sessions.sessions and gateway.admission.sessions == 0 and gateway.admission.streams == 0
             and engine.in_flight == 0 and engine.unfinished_requests() == 0)

@@ -12,21 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.codec import DecodeWindow
-from gateway.engine import EngineDeadError, EngineState
 from gateway.orpheus import SAMPLES_PER_FRAME, build_prompt, sentence_token_cap
-from gateway.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
+from gateway.speech.codec import DecodeWindow
+from gateway.speech.engine import EngineDeadError, EngineState
+from gateway.speech.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
+from tests.support import wait_until
 
 pytestmark = pytest.mark.engine
 
 
-async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 async def test_engine_warmed_up_before_ready(synthesizer: Synthesizer) -> None:
@@ -59,7 +53,8 @@ async def test_stream_every_frame_becomes_audio(synthesizer: Synthesizer) -> Non
 
 async def test_stream_api_yields_pcm(synthesizer: Synthesizer) -> None:
     pcm = [p async for p in synthesizer.stream("Olá! Tudo bem?", "leo", seed=5)]
-    assert sum(len(p) for p in pcm) % SAMPLES_PER_FRAME == 0
+    samples = sum(len(p) for p in pcm)
+    assert samples > 0 and samples % SAMPLES_PER_FRAME == 0
     assert all(p.dtype == np.int16 for p in pcm)
 
 

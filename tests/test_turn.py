@@ -13,36 +13,33 @@ import base64
 import dataclasses
 import hashlib
 import shutil
-import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aioice import stun
-from aioice import turn as aioice_turn
-from aioice.ice import get_host_addresses
 from aiortc import RTCConfiguration, RTCIceServer, RTCIceTransportPolicy
 
-from gateway.auth import make_session_token
-from gateway.client import HeadlessPeer
-from gateway.config import ConfigError, GatewayConfig, from_sources
-from gateway.http import ICE_SERVERS_PATH
-from gateway.ice import IceServer, check_ice_url, client_id, ice_servers, turn_rest_credentials
-from gateway.synthesizer import Synthesizer
-from tests.test_reliability import EVIL, SCHOOL, SECRET, TOKEN, running
-
-TURN_SECRET = "turn-secret-for-tests-0123456789"
-ROOT = Path(__file__).resolve().parent.parent
-TURN_CONF = ROOT / "docker" / "turnserver.conf"
-TURNSERVER = shutil.which("turnserver")
-needs_coturn = pytest.mark.skipif(TURNSERVER is None, reason="coturn's `turnserver` is not on PATH "
-                                  "(optional: `apt-get install coturn`; install.sh does not install it)")
-TURN_START_TIMEOUT_S = 20.0
-ALLOCATE_TIMEOUT_S = 5.0
+from gateway.config import ConfigError, GatewayConfig, check_ice_url, from_sources
+from gateway.devtools.client import HeadlessPeer
+from gateway.edge.auth import make_session_token
+from gateway.edge.http import ICE_SERVERS_PATH
+from gateway.rtc.ice import IceServer, client_id, ice_servers, turn_rest_credentials
+from gateway.speech.synthesizer import Synthesizer
+from tests.support import (
+    EVIL,
+    SCHOOL,
+    SECRET,
+    TOKEN,
+    TURN_SECRET,
+    Coturn,
+    allocate,
+    needs_coturn,
+    running,
+    wait_for_coturn,
+)
 
 
 def hmac_sha1_b64(key: bytes, message: bytes) -> str:
@@ -218,84 +215,16 @@ async def test_route_follows_the_offers_access_rules(test_config: GatewayConfig,
 
 # --- a real coturn ------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    # coturn listens on this port over UDP and TCP: one free on both.
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            udp.bind(("127.0.0.1", 0))
-            port = udp.getsockname()[1]
-            with socket.socket() as tcp:
-                try:
-                    tcp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            return port
 
 
-@dataclasses.dataclass
-class Coturn:
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"turn:127.0.0.1:{self.port}?transport=udp"
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
 
 
-class _Nothing(asyncio.DatagramProtocol):
-    pass
 
 
-async def allocate(port: int, username: str, credential: str) -> aioice_turn.TurnTransport:
-    transport, _ = await asyncio.wait_for(
-        aioice_turn.create_turn_endpoint(_Nothing, ("127.0.0.1", port), username, credential), ALLOCATE_TIMEOUT_S)
-    return transport
 
 
-@pytest.fixture(scope="module", name="coturn")  # named apart from the function, so other modules can import it
-def coturn_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coturn]:
-    """`turnserver` with the repo's docker/turnserver.conf and the secret on the command line, as compose runs it.
-
-    Overrides for a test machine only: loopback listener and a free port, state files in a temp dir, and the
-    machine's own addresses allowed as peers (the conf denies private ranges, and both peers live here).
-    """
-    assert TURNSERVER is not None
-    tmp = tmp_path_factory.mktemp("coturn")
-    port = free_port()
-    peers = ["127.0.0.1", *get_host_addresses(use_ipv4=True, use_ipv6=False)]
-    cmd = [TURNSERVER, "-c", str(TURN_CONF), "--listening-ip=127.0.0.1", f"--listening-port={port}",
-           f"--static-auth-secret={TURN_SECRET}", "--allow-loopback-peers",
-           *(f"--allowed-peer-ip={ip}" for ip in peers),
-           f"--pidfile={tmp / 'turnserver.pid'}", f"--userdb={tmp / 'turndb'}"]
-    log_path = tmp / "turnserver.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield Coturn(port, log_path)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
-async def wait_for_coturn(coturn: Coturn) -> None:
-    """Until an allocation with fresh credentials works (coturn takes a moment to open its relay ports)."""
-    deadline = time.monotonic() + TURN_START_TIMEOUT_S
-    while True:
-        try:
-            (await allocate(coturn.port, *turn_rest_credentials(TURN_SECRET, 60, "probe"))).close()
-            return
-        except (asyncio.TimeoutError, ConnectionError, stun.TransactionError, OSError):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"coturn did not allocate within {TURN_START_TIMEOUT_S} s:\n"
-                                     f"{coturn.log_tail()}") from None
-            await asyncio.sleep(0.5)
 
 
 @needs_coturn

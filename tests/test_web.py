@@ -19,13 +19,11 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from gateway.config import GatewayConfig
-from gateway.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH
-from gateway.server import create_app
-from gateway.synthesizer import Synthesizer
-from tests.test_reliability import running
-from tests.test_synthesizer import wait_until
-from tests.test_turn import TURN_SECRET, Coturn, coturn_server, needs_coturn, wait_for_coturn  # noqa: F401
+from gateway.config import JITTER_BUFFER_MAX_MS, GatewayConfig
+from gateway.edge.app import create_app
+from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH
+from gateway.speech.synthesizer import Synthesizer
+from tests.support import TURN_SECRET, Coturn, assert_valid, needs_coturn, running, wait_for_coturn, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -146,6 +144,18 @@ async def test_lesson_phrase_plays_moves_the_mouth_and_shows_stats(page: Any) ->
     assert stats["totalSamplesReceived"] > 0, "the browser played the audio out"
     assert await page.evaluate("window.__avatar.maxMouth") > 0, "the mouth opened with the speech"
     await page.wait_for_function("document.getElementById('stat-packets').textContent !== '–'", timeout=5000)
+
+    # What the page sent and accepted is the protocol: every message valid against the generated schema.
+    wire = await page.evaluate("window.__app.connection.wire")
+    directions = {record["direction"] for record in wire}
+    assert {"offer", "sent", "received"} <= directions, directions
+    kinds = {record["message"]["type"] for record in wire}
+    assert {"offer", "speak", "ping", "ready", "queued", "started", "done"} <= kinds, kinds
+    for record in wire:
+        schema = {"offer": "offer", "sent": "client_message", "received": "server_event"}[record["direction"]]
+        assert_valid(schema, record["message"])
+    assert await page.evaluate("document.getElementById('jitter').max") == str(JITTER_BUFFER_MAX_MS), \
+        "the page's jitter-buffer bound is the protocol's"
 
 
 async def test_stop_cancels_a_long_text_and_disconnect_ends_the_session(page: Any, server: TestServer) -> None:

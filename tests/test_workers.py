@@ -21,9 +21,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.client import HeadlessPeer
-from gateway.workers import FORWARDED_HEADER, SNAC_SOCKET_NAME, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
-from tests.conftest import TEST_MAX_TOKENS, VllmServer, free_port
+from gateway.cluster.workers import FORWARDED_HEADER, SNAC_SOCKET_NAME, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
+from gateway.devtools.client import HeadlessPeer
+from tests.support import TEST_MAX_TOKENS, VllmServer, free_port
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +40,7 @@ class Workers:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def worker_pids(self, module: str = "gateway.workers") -> list[int]:
+    def worker_pids(self, module: str = "gateway.cluster.workers") -> list[int]:
         """Live workers, or other children running `module` (a killed one is a zombie until the supervisor's
         next poll reaps it)."""
         pids = []
@@ -84,7 +84,7 @@ def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, roo
            # the server's own settings (conftest): each worker warms it up once, with a burst it can batch
            "--max-num-seqs", str(vllm_server.config.max_num_seqs), "--warmup-batch-sizes", "2",
            "--jitter-buffer-ms", "0", "--log-level", "warning",
-           "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.codec_server)
+           "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.speech.codec_server)
     log = root / "serve.log"
     return Workers(_start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log), port, sockets, log)
 
@@ -179,13 +179,13 @@ async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
 
 
 async def test_one_snac_process_decodes_for_every_worker_and_is_restarted(workers: Workers) -> None:
-    """--snac-placement shared: the workers load no SNAC; one `gateway.codec_server` child decodes for both
+    """--snac-placement shared: the workers load no SNAC; one `gateway.speech.codec_server` child decodes for both
     (the sessions test above spoke through it). Killed, it is restarted and speech goes on."""
-    (snac_pid,) = workers.worker_pids("gateway.codec_server")
+    (snac_pid,) = workers.worker_pids("gateway.speech.codec_server")
     assert (workers.sockets / SNAC_SOCKET_NAME).is_socket()
     os.kill(snac_pid, signal.SIGKILL)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not (restarted := [p for p in workers.worker_pids("gateway.codec_server") if p != snac_pid]):
+    while not (restarted := [p for p in workers.worker_pids("gateway.speech.codec_server") if p != snac_pid]):
         assert time.monotonic() < deadline, f"no new SNAC server:\n{workers.log_tail()}"
         await asyncio.sleep(0.5)
     peer = HeadlessPeer(workers.url, jitter_buffer_ms=0)
@@ -224,7 +224,7 @@ def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> 
     assert point["pipeline"]["cpu_s"]["client_processes"] > 0
 
 async def test_sigterm_stops_the_supervisor_and_its_workers(workers: Workers) -> None:
-    pids = workers.worker_pids() + workers.worker_pids("gateway.codec_server")
+    pids = workers.worker_pids() + workers.worker_pids("gateway.speech.codec_server")
     assert len(pids) == WORKERS + 1
     workers.proc.send_signal(signal.SIGTERM)
     assert workers.proc.wait(timeout=60) == 0
@@ -240,7 +240,7 @@ async def test_children_stop_when_the_supervisor_is_killed(vllm_server: VllmServ
     children: list[int] = []
     try:
         await running.wait_all_ready()
-        children = running.worker_pids() + running.worker_pids("gateway.codec_server")
+        children = running.worker_pids() + running.worker_pids("gateway.speech.codec_server")
         assert len(children) == WORKERS + 1
         running.proc.kill()
         running.proc.wait(timeout=30)

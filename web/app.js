@@ -5,9 +5,9 @@ import { Avatar } from './avatar.js';
 import { TutorConnection } from './connection.js';
 import { renderPhrases } from './lesson.js';
 import { connectErrorMessage, eventErrorMessage } from './messages.js';
+import { jitterBufferMaxMs, loadProtocolSchema } from './protocol.js';
 import { inboundAudio, summarize } from './stats.js';
 
-const MAX_JITTER_MS = 2000; // the page offers less than the server's 5000: more only delays the lesson
 const MAX_LOG_LINES = 60;
 const STATS_INTERVAL_MS = 1000;
 
@@ -91,8 +91,9 @@ function fillVoices(voices, selected) {
 async function connect() {
   clearError();
   const jitter = Number(ui.jitter.value);
-  if (ui.jitter.value.trim() === '' || !Number.isInteger(jitter) || jitter < 0 || jitter > MAX_JITTER_MS) {
-    showError(`The audio buffer must be a whole number of milliseconds between 0 and ${MAX_JITTER_MS}.`);
+  const maxJitter = jitterBufferMaxMs() ?? Number.MAX_SAFE_INTEGER; // unknown: the server says no if need be
+  if (ui.jitter.value.trim() === '' || !Number.isInteger(jitter) || jitter < 0 || jitter > maxJitter) {
+    showError(`The audio buffer must be a whole number of milliseconds between 0 and ${maxJitter}.`);
     return;
   }
   // Created on the click: browsers only let audio start from a user gesture.
@@ -280,6 +281,12 @@ ui.stop.addEventListener('click', () => {
 window.addEventListener('pagehide', () => connection?.close({ keepalive: true }));
 setState('disconnected');
 loadVoices();
+loadProtocolSchema().then(() => {
+  const max = jitterBufferMaxMs();
+  if (max === null) return;
+  ui.jitter.max = String(max);
+  $('jitter-max').textContent = String(max);
+});
 
 // For tests and the curious (browser console): the live objects behind the page.
 window.__avatar = avatar;

@@ -2,6 +2,7 @@
 // data channel for speak/cancel/ping. Emits: `track` {stream}, `message` {msg}, `state` {state}, `closed`.
 
 const PING_INTERVAL_MS = 2000; // the gateway treats these pings as a heartbeat
+const MAX_WIRE_RECORDS = 200;
 const ICE_GATHERING_TIMEOUT_MS = 5000;
 const ICE_SERVERS_TIMEOUT_MS = 5000;
 
@@ -71,6 +72,7 @@ export class TutorConnection extends EventTarget {
     this.pc = null;
     this.channel = null;
     this.sessionId = null;
+    this.wire = []; // {direction: offer|sent|received, message}, the last MAX_WIRE_RECORDS
     this._pingTimer = null;
     this._closed = false;
   }
@@ -102,6 +104,7 @@ export class TutorConnection extends EventTarget {
     await iceGatheringComplete(pc, ICE_GATHERING_TIMEOUT_MS);
     const body = { sdp: pc.localDescription.sdp, type: 'offer', jitter_buffer_ms: jitterBufferMs };
     if (voice) body.voice = voice;
+    this._record('offer', body);
     const response = await fetch(`${this.baseUrl}/v1/webrtc/offer`, {
       method: 'POST',
       headers: { 'Content-Type': 'application/json', ...authHeaders() },
@@ -127,6 +130,7 @@ export class TutorConnection extends EventTarget {
   /** Send one control message; false when the channel is not open. */
   send(message) {
     if (!this.isOpen) return false;
+    this._record('sent', message);
     this.channel.send(JSON.stringify(message));
     return true;
   }
@@ -140,6 +144,12 @@ export class TutorConnection extends EventTarget {
   /** Cancel one utterance, or (no id) the current one and everything queued. */
   cancel(id) {
     return this.send(id ? { type: 'cancel', id } : { type: 'cancel' });
+  }
+
+  /** The last messages on the wire, as sent or received (tests check them against the protocol's schema). */
+  _record(direction, message) {
+    this.wire.push({ direction, message: structuredClone(message) });
+    if (this.wire.length > MAX_WIRE_RECORDS) this.wire.shift();
   }
 
   _startPing() {
@@ -161,6 +171,7 @@ export class TutorConnection extends EventTarget {
     } catch {
       return; // not ours to show: the protocol is JSON only
     }
+    this._record('received', msg);
     if (msg.type === 'pong' && typeof msg.t === 'number') msg.rtt_ms = performance.now() - msg.t;
     this._emit('message', { msg });
   }

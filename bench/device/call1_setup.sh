@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -V; nproc; free -g | head -2
 PYTHONPATH=/tmp/site python3 $DC/bench/check_imports.py aiohttp,numpy,transformers,tokenizers,safetensors,matplotlib,prometheus_client,psutil,cryptography,av,snac 2>&1 | tee $OUT/imports.log
 echo "=== model"
-PYTHONPATH=/tmp/site:$SRC timeout 300 python3 -m gateway.devmodels /tmp/orpheus-struct --shape orpheus-3b --stop-probability 0 --snac 2>&1 | tail -3
+PYTHONPATH=/tmp/site:$SRC timeout 300 python3 -m gateway.devtools.devmodels /tmp/orpheus-struct --shape orpheus-3b --stop-probability 0 --snac 2>&1 | tail -3
 du -sh /tmp/orpheus-struct
 echo "call1 total $(( $(date +%s) - T0 ))s"
 [ -n "$SKIP_SNAC_CHECK" ] && exit 0  # a second lease of the same day: the check already ran

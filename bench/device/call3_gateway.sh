@@ -11,7 +11,7 @@ if ls $DC/gw2/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/av ]; then
 fi
 export PYTHONPATH=/tmp/site:$SRC VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -c "import aiortc, av, gateway.session, bench.run; print('imports ok, aiortc', aiortc.__version__, 'av', av.__version__)" || exit 4
+python3 -c "import aiortc, av, gateway.rtc.session, bench.run; print('imports ok, aiortc', aiortc.__version__, 'av', av.__version__)" || exit 4
 GRAPHS=""
 [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
 echo "=== bench.run $GRAPHS $BENCH_ARGS"

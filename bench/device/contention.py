@@ -35,7 +35,7 @@ class SnacLoad:
     def __init__(self, snac_dir: str) -> None:
         import torch
 
-        from gateway.codec import SnacModel
+        from gateway.speech.codec import SnacModel
 
         self.torch = torch
         self.model = SnacModel.load(snac_dir, "cuda")

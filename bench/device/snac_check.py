@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gateway.codec import SnacModel
+from gateway.speech.codec import SnacModel
 
 WINDOW_FRAMES = (2, 3, 4, 5, 6)  # every window length of the defaults: context 1, lookahead 1, hop 1..4
 CHECK_BATCHES = (1, 5, 64, 200, 256)

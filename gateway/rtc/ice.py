@@ -12,7 +12,8 @@ gateway. coturn checks the expiry when a relay is allocated; an allocation it ac
 after that (tests/test_turn.py shows it on a real coturn), so the TTL bounds how long a leaked credential can
 start relays, not how long a session lasts.
 
-Standard library only (like gateway.auth), so a lesson backend can mint the same credentials.
+Standard library only (with gateway.config, itself standard library only), so a lesson backend can mint the
+same credentials.
 """
 
 from __future__ import annotations
@@ -24,31 +25,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, is_turn_url
 
-TURN_SCHEMES = ("turn", "turns")
 MAX_CLIENT_ID_CHARS = 64  # STUN usernames may have 513 bytes; coturn's logs and quotas read better short
-_HOST = r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
-# RFC 7064 (stun, stuns) and RFC 7065 (turn, turns): the forms RTCPeerConnection accepts; only TURN has a transport.
-_STUN_URL = re.compile(rf"^stuns?:{_HOST}(:\d{{1,5}})?$")
-_TURN_URL = re.compile(rf"^turns?:{_HOST}(:\d{{1,5}})?(\?transport=(udp|tcp))?$")
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._@-]")
-
-
-def check_ice_url(url: str) -> None:
-    """ValueError unless `url` is a stun:/stuns:/turn:/turns: url a browser accepts."""
-    pattern = _TURN_URL if url.startswith("turn") else _STUN_URL
-    match = pattern.match(url)
-    port = match.group(2) if match else None
-    if match is None or (port is not None and not 1 <= int(port[1:]) <= 65535):
-        raise ValueError(f"{url!r} is not a STUN/TURN url like stun:host:3478 or turn:host:3478?transport=udp")
-
-
-def is_turn_url(url: str) -> bool:
-    return url.split(":", 1)[0] in TURN_SCHEMES
 
 
 def turn_rest_credentials(secret: str, ttl_s: float, client_id: str, *, now: float | None = None) -> tuple[str, str]:

@@ -12,19 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gateway.codec import DecodeBatcher, SnacModel, StreamWindower, WindowDecoder
-from gateway.codec_server import CodecClient, CodecServerSettings, engine_codec_env
 from gateway.config import GatewayConfig
-from gateway.engine import EngineBase, OrpheusEngine
 from gateway.orpheus import (
     SAMPLE_RATE,
     SLOTS_PER_FRAME,
@@ -33,7 +28,11 @@ from gateway.orpheus import (
     sentence_token_cap,
     split_sentences,
 )
-from gateway.remote import RemoteEngine
+from gateway.speech.checkpoints import require_checkpoint
+from gateway.speech.codec import CodeDecoder, DecodeBatcher, SnacModel, StreamWindower
+from gateway.speech.codec_server import CodecClient, CodecServerSettings
+from gateway.speech.engine import EngineBase, OrpheusEngine
+from gateway.speech.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +43,28 @@ class InvalidRequestError(ValueError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def resolve_voice(voices: list[str], default: str, voice: str | None) -> str:
+    """The voice to speak with: `voice` when it is one of `voices`, `default` when none is named."""
+    if voice is None or voice == "":
+        return default
+    if voice not in voices:
+        raise InvalidRequestError("unknown_voice", f"unknown voice {voice!r}; known voices: {voices}")
+    return voice
+
+
+def check_text(text: Any, max_chars: int, *, so_far: int = 0, allow_empty: bool = False) -> str:
+    """The one rule for text to speak: a string, not blank (unless more of it follows: `allow_empty`), and at
+    most `max_chars` characters with the `so_far` characters of the same utterance that came before it."""
+    if not isinstance(text, str):
+        raise InvalidRequestError("invalid_text", "text must be a string")
+    if not allow_empty and not text.strip():
+        raise InvalidRequestError("empty_text", "text is empty")
+    if so_far + len(text) > max_chars:
+        raise InvalidRequestError("text_too_long", f"text has {so_far + len(text)} characters; the limit is "
+                                  f"{max_chars}")
+    return text
 
 
 @dataclass
@@ -75,6 +96,11 @@ class UtteranceStats:
     @property
     def audio_s(self) -> float:
         return self.samples / SAMPLE_RATE
+
+    @property
+    def synthesis_s(self) -> float | None:
+        """Request to last audio made (None while it is being made)."""
+        return None if self.finished_at is None else self.finished_at - self.started
 
     @property
     def ttft_s(self) -> float | None:
@@ -109,14 +135,10 @@ class Synthesizer:
         """
         from transformers import AutoTokenizer
 
+        require_checkpoints(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        window_decoder, engine_env = _window_decoder(config)
-        decoder = DecodeBatcher(window_decoder, config.decode_max_batch)
-        engine: EngineBase
-        if config.vllm_urls:
-            engine = RemoteEngine(config)
-        else:
-            engine = OrpheusEngine(config, engine_env=engine_env)
+        decoder = DecodeBatcher(_code_decoder(config), config.decode_max_batch)
+        engine: EngineBase = RemoteEngine(config) if config.vllm_urls else OrpheusEngine(config)
         return cls(config, engine, tokenizer, decoder)
 
     async def start(self) -> None:
@@ -128,21 +150,10 @@ class Synthesizer:
 
     # --- validation -------------------------------------------------------------------------------
     def resolve_voice(self, voice: str | None) -> str:
-        if voice is None or voice == "":
-            return self.config.voice
-        if voice not in self.voices:
-            raise InvalidRequestError("unknown_voice", f"unknown voice {voice!r}; known voices: {self.voices}")
-        return voice
+        return resolve_voice(self.voices, self.config.voice, voice)
 
     def check_text(self, text: Any) -> str:
-        if not isinstance(text, str):
-            raise InvalidRequestError("invalid_text", "text must be a string")
-        if not text.strip():
-            raise InvalidRequestError("empty_text", "text is empty")
-        if len(text) > self.config.max_text_chars:
-            raise InvalidRequestError(
-                "text_too_long", f"text has {len(text)} characters; the limit is {self.config.max_text_chars}")
-        return text
+        return check_text(text, self.config.max_text_chars)
 
     # --- streaming --------------------------------------------------------------------------------
     async def stream(self, text: str, voice: str | None = None, *, max_tokens: int | None = None,
@@ -331,20 +342,26 @@ class Synthesizer:
         return False
 
 
-def _window_decoder(config: GatewayConfig) -> tuple[WindowDecoder, dict[str, str]]:
-    """SNAC in this process, or a client of a shared decoder; and the environment the in-process engine's
-    engine core needs to serve that decoder itself (snac_placement engine). In one process, shared is
-    process: there is nothing to share with."""
-    if config.snac_placement == "engine" and not config.vllm_urls:
-        own_folder = config.snac_socket is None
-        path = config.snac_socket or str(Path(tempfile.mkdtemp(prefix="orpheus-snac-")) / "snac.sock")
-        return CodecClient(path, own_folder=own_folder), engine_codec_env(codec_server_settings(config, path))
+def require_checkpoints(config: GatewayConfig) -> None:
+    """Everything this configuration loads is there (or to be had): one clear line otherwise."""
+    if config.tokenizer:
+        require_checkpoint(config.tokenizer, "tokenizer", "--tokenizer")
+    elif not config.vllm_urls:
+        require_checkpoint(config.model, "model", "--model")
+    else:  # the servers have the weights; the tokenizer still comes from --model here
+        require_checkpoint(config.model, "model (its tokenizer)", "--model or --tokenizer")
+    if not config.snac_socket:
+        require_checkpoint(config.snac_model, "SNAC codec", "--snac-model")
+
+
+def _code_decoder(config: GatewayConfig) -> CodeDecoder:
+    """SNAC in this process, or a client of a shared decoder (`--snac-socket`, set by `serve --workers`)."""
     if config.snac_socket:
-        return CodecClient(config.snac_socket), {}
+        return CodecClient(config.snac_socket)
     snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)
     if config.snac_cuda_graphs:
         snac.capture_graphs(_window_lengths(config), config.decode_max_batch)
-    return snac, {}
+    return snac
 
 
 def codec_server_settings(config: GatewayConfig, path: str) -> CodecServerSettings:

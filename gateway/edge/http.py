@@ -6,17 +6,17 @@ Every error the gateway answers is `{"error": {"code": ..., "message": ...}}` wi
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from gateway.admission import CapacityError
-    from gateway.server import Gateway
+from gateway.edge.state import GatewayState
+from gateway.service.admission import CapacityError
 
-GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
+GATEWAY_KEY: web.AppKey[GatewayState] = web.AppKey("gateway", GatewayState)
 OFFER_PATH = "/v1/webrtc/offer"
 ICE_SERVERS_PATH = "/v1/webrtc/ice-servers"
+SESSIONS_PATH = "/v1/webrtc/sessions"
 # Who the access check let in (a session token's `sub`), for routes that personalise their answer.
 SUBJECT_KEY: web.RequestKey[str | None] = web.RequestKey("subject", str | None)
 
@@ -48,6 +48,8 @@ async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, An
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise _json_http_error(web.HTTPBadRequest, "invalid_json", "body is not valid JSON") from None
+    except RecursionError:  # deeply nested arrays or objects: refused, not a 500
+        raise _json_http_error(web.HTTPBadRequest, "invalid_json", "body nests too deeply") from None
     if not isinstance(body, dict):
         raise _json_http_error(web.HTTPBadRequest, "invalid_json", "body must be a JSON object")
     return body

@@ -1,4 +1,4 @@
-"""Generation on `vllm serve` servers: the interface of `gateway.engine.OrpheusEngine`, over HTTP.
+"""Generation on `vllm serve` servers: the interface of `gateway.speech.engine.OrpheusEngine`, over HTTP.
 
 `RemoteEngine` sends each prompt to one of the configured OpenAI-compatible vLLM servers as
 `POST {url}/v1/completions` (prompt = token ids, `stream: true`, `return_token_ids: true`) and yields the
@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import aiohttp
 
 from gateway.config import GatewayConfig
-from gateway.engine import (
+from gateway.speech.engine import (
     WARMUP_PROMPT,
     WARMUP_TOKENS,
     EngineBase,
@@ -40,6 +39,7 @@ from gateway.engine import (
     EngineState,
     EngineUnavailableError,
     sampling_settings,
+    warm_up_ladder,
     warmup_sizes,
 )
 
@@ -148,9 +148,6 @@ class RemoteEngine(EngineBase):
         """The in-process engine's start-up bursts (`warmup_batch_sizes`), before the server takes users: a
         fresh `vllm serve` JIT-compiles its sampling kernels on first use (measured on an H200 behind `serve
         --workers`: first request 1.2 s, first burst of 64 5.3 s). Runs again after the server comes back."""
-        sizes = warmup_sizes(self.config)
-        t0 = time.monotonic()
-
         async def one(size: int, i: int) -> None:
             body = self._request_body(WARMUP_PROMPT, f"{self._id_prefix}-warmup-{size}-{i}", WARMUP_TOKENS, None, 0)
             response = await self._post(session, server, body)
@@ -159,15 +156,15 @@ class RemoteEngine(EngineBase):
             finally:
                 response.release()
 
+        async def burst(size: int) -> None:
+            await asyncio.gather(*(one(size, i) for i in range(size)))
+
+        sizes = warmup_sizes(self.config)  # the server's device is not known here: the time budget bounds it
         try:
-            for size in sizes:
-                await asyncio.gather(*(one(size, i) for i in range(size)))
+            self.warmed_up = await warm_up_ladder(sizes, burst, f"vLLM server {server.url}")
         except EngineRequestError as exc:  # refused (a server setting): warming up cannot fix it; serve anyway
             log.warning("vLLM server %s refused the warm-up: %s", server.url, exc)
         server.warmed_up = True
-        self.warmed_up = sizes
-        if sizes:
-            log.info("vLLM server %s warmed up at batch sizes %s in %.1f s", server.url, sizes, time.monotonic() - t0)
 
     async def _served_model(self, session: aiohttp.ClientSession, server: RemoteServer,
                             timeout: aiohttp.ClientTimeout) -> str:
@@ -305,6 +302,7 @@ class RemoteEngine(EngineBase):
                     response.release()  # keep the connection for the next request
                 else:
                     response.close()  # consumer went away (cancel, barge-in): vLLM aborts on disconnect
+                    self.requests_aborted += 1
         finally:
             self._in_flight.discard(request_id)
 

@@ -2,6 +2,8 @@
 
 It negotiates through `POST /v1/webrtc/offer`, opens the `control` data channel, records every event with
 its arrival time, and receives and decodes the RTP audio, keeping each 20 ms frame's arrival time and level.
+It builds its messages with `gateway.rtc.protocol` and checks every event it receives against it: an event the
+protocol does not define lands in `protocol_violations`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from gateway.rtc import protocol
+from gateway.rtc.protocol import CONTROL_LABEL
 
 SILENCE_RMS = 1.0  # decoded Opus silence is exactly or nearly zero
 
@@ -55,12 +61,13 @@ class HeadlessPeer:
     frames: list[ReceivedFrame] = field(default_factory=list)
     pcm: list[np.ndarray] = field(default_factory=list)
     session_id: str | None = None
+    protocol_violations: list[str] = field(default_factory=list)
     # STUN/TURN of this peer, e.g. from the gateway's GET /v1/webrtc/ice-servers; default none (loopback tests).
     configuration: RTCConfiguration | None = None
 
     def __post_init__(self) -> None:
         self.pc = RTCPeerConnection(self.configuration or RTCConfiguration(iceServers=[]))
-        self.channel = self.pc.createDataChannel("control")
+        self.channel = self.pc.createDataChannel(CONTROL_LABEL)
         self.pc.addTransceiver("audio", direction="recvonly")
         self._event_arrived = asyncio.Event()
         self._audio_task: asyncio.Task[None] | None = None
@@ -71,11 +78,9 @@ class HeadlessPeer:
     async def connect(self, timeout: float = 30.0) -> dict[str, Any]:
         """Negotiate and wait for the server's `ready` event."""
         await self.pc.setLocalDescription(await self.pc.createOffer())
-        body: dict[str, Any] = {"sdp": self.pc.localDescription.sdp, "type": "offer"}
-        if self.voice is not None:
-            body["voice"] = self.voice
-        if self.jitter_buffer_ms is not None:
-            body["jitter_buffer_ms"] = self.jitter_buffer_ms
+        offer = protocol.Offer(sdp=self.pc.localDescription.sdp, type="offer", voice=self.voice,
+                               jitter_buffer_ms=self.jitter_buffer_ms)
+        body = {k: v for k, v in protocol.to_dict(offer).items() if v is not None}
         async with aiohttp.ClientSession() as http, http.post(f"{self.base_url}/v1/webrtc/offer", json=body) as resp:
             answer = await resp.json()
             if resp.status != 200:
@@ -92,19 +97,27 @@ class HeadlessPeer:
         await self.pc.close()
 
     # --- protocol ---------------------------------------------------------------------------------
-    def send(self, message: dict[str, Any] | str | bytes) -> None:
-        self.channel.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
+    def send(self, message: protocol.Speak | protocol.Cancel | protocol.Ping | dict[str, Any] | str | bytes) -> None:
+        """A typed message, or anything else as it is (tests of bad input)."""
+        if isinstance(message, (protocol.Speak, protocol.Cancel, protocol.Ping)):
+            self.channel.send(protocol.encode(message))
+        else:
+            self.channel.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
 
-    def speak(self, utterance_id: str, text: str, **extra: Any) -> float:
-        """Send a speak message; returns its send time for latency measurements."""
+    def speak(self, utterance_id: str, text: str, **fields: Any) -> float:
+        """Send a speak message (`fields`: its optional fields); returns its send time for latency measurements."""
         sent = time.monotonic()
-        self.send({"type": "speak", "id": utterance_id, "text": text, **extra})
+        self.send(protocol.Speak(id=utterance_id, text=text, **fields))
         return sent
 
     def cancel(self, utterance_id: str | None = None) -> None:
-        self.send({"type": "cancel", **({"id": utterance_id} if utterance_id else {})})
+        self.send(protocol.Cancel(id=utterance_id))
 
     def _on_message(self, raw: str | bytes) -> None:
+        try:
+            protocol.parse_server_event(raw)
+        except msgspec.MsgspecError as exc:
+            self.protocol_violations.append(f"{exc}: {raw!r}"[:500])
         self.events.append(ReceivedEvent(time.monotonic(), json.loads(raw)))
         self._event_arrived.set()
 

@@ -4,7 +4,7 @@ Standard library only, so a lesson backend can import (or copy) `make_session_to
 dependencies. A session token is `base64url(payload).base64url(hmac_sha256(secret, base64url(payload)))`,
 unpadded, where the payload is JSON `{"sub": subject, "exp": unix_seconds}`:
 
-    from gateway.auth import make_session_token
+    from gateway.edge.auth import make_session_token
     token = make_session_token(secret, ttl_s=300, subject="student-42")   # hand it to the page
 
 The gateway accepts it as `Authorization: Bearer <token>` (or `?token=` on the WebRTC offer) until it expires.
@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-MIN_SECRET_CHARS = 16  # shorter static tokens or HMAC secrets are guessable; refused at start-up
+from gateway.config import ANY_ORIGIN, normalize_origin
+
 CLOCK_SKEW_S = 5.0  # the minting backend's clock may run a little behind ours
 MAX_TOKEN_CHARS = 4096  # a longer "token" is not one of ours; refuse before decoding it
-ANY_ORIGIN = "*"
-ORIGIN_SCHEMES = ("http", "https")
 
 
 class AuthError(Exception):
@@ -86,16 +85,6 @@ def verify_session_token(secrets: Iterable[str | bytes], token: str, *, now: flo
     if (time.time() if now is None else now) > expires + CLOCK_SKEW_S:
         raise AuthError(401, "expired_token", "the token has expired; get a new one")
     return claims
-
-
-def normalize_origin(origin: str) -> str:
-    """`scheme://host[:port]` in lower case (what browsers send in `Origin`), or `*`; else ValueError."""
-    if origin == ANY_ORIGIN:
-        return origin
-    parts = urlsplit(origin.strip().rstrip("/").lower())
-    if parts.scheme not in ORIGIN_SCHEMES or not parts.netloc or parts.path or parts.query or parts.fragment:
-        raise ValueError(f"{origin!r} is not an origin like https://school.example or http://localhost:8000")
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 @dataclass(frozen=True)

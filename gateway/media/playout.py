@@ -37,11 +37,12 @@ import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from gateway.config import JITTER_BUFFER_MAX_MS
+
 __all__ = [
     "CHANNEL_LAYOUT",
     "FRAME_MS",
     "FRAME_SAMPLES",
-    "MAX_JITTER_BUFFER_MS",
     "SAMPLE_FORMAT",
     "SAMPLE_RATE_IN",
     "SAMPLE_RATE_OUT",
@@ -70,9 +71,8 @@ TIME_BASE = Fraction(1, SAMPLE_RATE_OUT)
 # --- Input: Orpheus/SNAC produces 24 kHz mono int16.
 SAMPLE_RATE_IN = 24000
 
-# --- Jitter buffer bounds (ms of an utterance's audio queued before it starts).
+# --- Jitter buffer bounds (ms of an utterance's audio queued before it starts): the configuration's.
 MIN_JITTER_BUFFER_MS = 0
-MAX_JITTER_BUFFER_MS = 5000
 
 # A frame that is late by less than this is sent at once, and the frames after it
 # catch up with the clock: receivers' jitter buffers absorb a short burst, while
@@ -212,10 +212,10 @@ class PlayoutTrack(MediaStreamTrack):
         Raises ``ValueError`` for an out-of-range jitter buffer or an id that is
         still queued/playing.
         """
-        if isinstance(jitter_buffer_ms, bool) or not (MIN_JITTER_BUFFER_MS <= jitter_buffer_ms <= MAX_JITTER_BUFFER_MS):
+        if isinstance(jitter_buffer_ms, bool) or not (MIN_JITTER_BUFFER_MS <= jitter_buffer_ms <= JITTER_BUFFER_MAX_MS):
             raise ValueError(
                 f"jitter_buffer_ms must be between {MIN_JITTER_BUFFER_MS} and "
-                f"{MAX_JITTER_BUFFER_MS} ms, got {jitter_buffer_ms!r}"
+                f"{JITTER_BUFFER_MAX_MS} ms, got {jitter_buffer_ms!r}"
             )
         if utterance_id in self._by_id:
             raise ValueError(f"utterance {utterance_id!r} is already queued")
@@ -328,9 +328,6 @@ class PlayoutTrack(MediaStreamTrack):
         if self._queue and self._queue[0].started:
             return self._queue[0].utterance_id
         return None
-
-    def has_utterance(self, utterance_id: str) -> bool:
-        return utterance_id in self._by_id
 
     def stats(self) -> PlayoutStats:
         return PlayoutStats(

@@ -23,9 +23,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -262,10 +262,6 @@ class SnacModel:
                 return graphed(codes)
             return _decode_to_pcm(self.model, torch.from_numpy(codes).to(self.device), frames).cpu().numpy()
 
-    def decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
-        """Decode windows of one length in one forward pass; one copy in and one out for the whole batch."""
-        frames = windows[0].length
-        return keep_new_audio(self.decode_codes(windows_to_layer_codes([w.frames for w in windows]), frames), windows)
 
 
 def own_stream(device: str) -> contextlib.AbstractContextManager[Any]:
@@ -278,16 +274,51 @@ def own_stream(device: str) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.stream(torch.cuda.Stream(device))
 
 
-def keep_new_audio(pcm: np.ndarray, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
-    """Each window's new samples, out of its decoded window (`pcm` row i belongs to windows[i])."""
+class CodeDecoder(Protocol):
+    """What `DecodeBatcher` decodes with: a `SnacModel`, or a `codec_server.CodecClient` of a shared one."""
+
+    def decode_codes(self, codes: np.ndarray, frames: int) -> np.ndarray: ...
+
+
+def decode_windows(decoder: CodeDecoder, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
+    """Decode windows of one length in one pass (one copy in, one out) and keep each one's new samples."""
+    frames = windows[0].length
+    pcm = decoder.decode_codes(windows_to_layer_codes([w.frames for w in windows]), frames)
     return [pcm[i, w.keep_from * SAMPLES_PER_FRAME:(w.keep_from + w.keep_count) * SAMPLES_PER_FRAME]
             for i, w in enumerate(windows)]
 
 
-class WindowDecoder(Protocol):
-    """What `DecodeBatcher` decodes with: a `SnacModel`, or a `codec_server.CodecClient` of a shared one."""
+T = TypeVar("T")
 
-    def decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]: ...
+
+def drain(waiting: queue.SimpleQueue[T | None], first: T) -> tuple[list[T], bool]:
+    """`first` and whatever else is waiting, without blocking; and whether the close marker (None) came."""
+    items = [first]
+    with contextlib.suppress(queue.Empty):
+        while (more := waiting.get_nowait()) is not None:
+            items.append(more)
+        return items, True
+    return items, False
+
+
+def batches_by_length(items: Sequence[T], length: Callable[[T], int], rows: Callable[[T], int],
+                      max_batch: int) -> Iterator[tuple[int, list[T]]]:
+    """(length, items) batches of one window length each, shortest length first, at most `max_batch` rows each
+    (an item's rows stay in one batch). Shortest first: a stream's first window (no left context) is the
+    shortest, and first audio waits for nothing but it; short passes first also make the mean wait shorter."""
+    by_length: dict[int, list[T]] = {}
+    for item in items:
+        by_length.setdefault(length(item), []).append(item)
+    for frames, same in sorted(by_length.items()):
+        batch: list[T] = []
+        count = 0
+        for item in same:
+            if batch and count + rows(item) > max_batch:
+                yield frames, batch
+                batch, count = [], 0
+            batch.append(item)
+            count += rows(item)
+        yield frames, batch
 
 
 @dataclass
@@ -304,7 +335,7 @@ class DecodeStats:
     windows: int = 0
     frames: int = 0  # new audio frames emitted
     window_frames: int = 0  # frames run through SNAC, context and lookahead included (>= frames)
-    last_batch_size: int = 0
+    skipped: int = 0  # windows cancelled while they waited (never decoded)
     busy_s: float = 0.0
 
 
@@ -316,7 +347,7 @@ class DecodeBatcher:
     each pass (metrics).
     """
 
-    def __init__(self, model: WindowDecoder, max_batch: int = 256,
+    def __init__(self, model: CodeDecoder, max_batch: int = 256,
                  on_batch: Callable[[int, float, int, int], None] | None = None) -> None:
         self.model = model
         self.max_batch = max_batch
@@ -357,42 +388,19 @@ class DecodeBatcher:
             release()
 
     def _run(self) -> None:
-        carried: list[_Job] | None = None
-        while True:
-            first = carried if carried is not None else self._queue.get()
-            carried = None
-            if first is None:
+        while (first := self._queue.get()) is not None:
+            waiting, closing = drain(self._queue, first)
+            jobs = [job for jobs in waiting for job in jobs if not job.future.cancelled()]
+            self.stats.skipped += sum(len(round_) for round_ in waiting) - len(jobs)
+            for length, group in batches_by_length(jobs, lambda j: j.window.length, lambda _: 1, self.max_batch):
+                self._decode_group(length, group)
+            if closing:
                 return
-            jobs = list(first)
-            while len(jobs) < self.max_batch:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._decode_all(jobs)
-                    return
-                if len(jobs) + len(more) > self.max_batch:
-                    carried = more  # one stream's windows stay together, in the next pass
-                    break
-                jobs += more
-            self._decode_all(jobs)
-
-    def _decode_all(self, jobs: list[_Job]) -> None:
-        by_length: dict[int, list[_Job]] = {}
-        for job in jobs:
-            if not job.future.cancelled():
-                by_length.setdefault(job.window.length, []).append(job)
-        # Shortest windows first: a stream's first window (no left context) is the shortest, and first audio
-        # waits for nothing but it; short passes first also make the mean wait shorter.
-        for length, same in sorted(by_length.items()):
-            for at in range(0, len(same), self.max_batch):
-                self._decode_group(length, same[at:at + self.max_batch])
 
     def _decode_group(self, length: int, group: list[_Job]) -> None:
         t0 = time.perf_counter()
         try:
-            results: list[Any] = self.model.decode([j.window for j in group])
+            results: list[Any] = decode_windows(self.model, [j.window for j in group])
             error: BaseException | None = None
         except Exception as exc:  # one bad batch fails its utterances, not the worker
             log.exception("SNAC decode failed for a batch of %d", len(group))
@@ -404,7 +412,6 @@ class DecodeBatcher:
         stats.windows += len(group)
         stats.frames += new_frames
         stats.window_frames += length * len(group)
-        stats.last_batch_size = len(group)
         stats.busy_s += elapsed
         if self.on_batch is not None:
             self.on_batch(len(group), elapsed, length, new_frames)

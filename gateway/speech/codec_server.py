@@ -3,10 +3,10 @@
 Why: every process that runs CUDA kernels has its own CUDA context, and the GPU time-slices between contexts
 instead of running their kernels side by side. With SNAC in each gateway worker and the model in vLLM's
 engine-core process, generation slowed 2x at 384 streams on an H200 (docs/benchmarks.md). A `CodecServer` is
-one context and one batch for all workers (`--snac-placement shared`: `python -m gateway.codec_server`, started
-by the supervisor; measured: fewer underruns than a decoder per worker). `gateway.vllm_plugin` can run it inside
-vLLM's engine-core process instead (`--snac-placement engine`), sharing the model's context; measured slower,
-its threads contend with vLLM's engine loop for the GIL.
+one context and one batch for all workers (`--snac-placement shared`: `python -m gateway.speech.codec_server`,
+started by the supervisor; measured: fewer underruns than a decoder per worker). Running it inside vLLM's
+engine-core process instead (a vLLM plugin, sharing the model's CUDA context) measured slower at every load on an
+H200 and was removed: the GPU runs the sum of both workloads wherever SNAC is placed (docs/benchmarks.md).
 
 Wire format (little-endian), one request in flight per connection:
   request  u32 frames, u32 rows, then rows x 7*frames int16 codes (rows of `orpheus.windows_to_layer_codes`)
@@ -27,14 +27,13 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from gateway.codec import DecodeWindow, SnacModel, keep_new_audio, own_stream
-from gateway.orpheus import CODEBOOK_SIZE, LAYER_CODES_PER_FRAME, SAMPLES_PER_FRAME, windows_to_layer_codes
+from gateway.orpheus import CODEBOOK_SIZE, LAYER_CODES_PER_FRAME, SAMPLES_PER_FRAME
+from gateway.speech.codec import SnacModel, batches_by_length, drain, own_stream
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +42,12 @@ STATUS_OK, STATUS_ERROR = 0, 1
 CODES_PER_FRAME = sum(LAYER_CODES_PER_FRAME)
 CLOSE_TIMEOUT_S = 10.0
 MAX_FRAMES = 64  # longest window a request may carry (the gateway's are 2-6 frames)
-SERVER_ENV = "ORPHEUS_GATEWAY_SNAC_SERVER"  # CodecServerSettings as JSON: read by gateway.vllm_plugin
+SERVER_ENV = "ORPHEUS_GATEWAY_SNAC_SERVER"  # CodecServerSettings as JSON, set by the supervisor
 
 
 @dataclass(frozen=True)
 class CodecServerSettings:
-    """What a codec server needs; the gateway hands it to vLLM's engine core in SERVER_ENV."""
+    """What a codec server needs; the supervisor hands it to the SNAC process in SERVER_ENV."""
 
     socket: str
     snac_model: str
@@ -181,28 +180,12 @@ class CodecServer:
             self._decode_requests()
 
     def _decode_requests(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            waiting = [first]
-            with contextlib.suppress(queue.Empty):
-                while (more := self._queue.get_nowait()) is not None:
-                    waiting.append(more)
-            by_frames: dict[int, list[_Request]] = {}
-            for request in waiting:
-                by_frames.setdefault(request.frames, []).append(request)
-            for frames, requests in sorted(by_frames.items()):  # shortest first, as DecodeBatcher
-                group: list[_Request] = []
-                rows = 0
-                for request in requests:
-                    if group and rows + len(request.codes) > self.max_batch:
-                        self._decode(frames, group)
-                        group, rows = [], 0
-                    group.append(request)
-                    rows += len(request.codes)
+        while (first := self._queue.get()) is not None:
+            waiting, closing = drain(self._queue, first)
+            for frames, group in batches_by_length(waiting, lambda r: r.frames, lambda r: len(r.codes),
+                                                   self.max_batch):
                 self._decode(frames, group)
-            if self._closed.is_set():
+            if closing or self._closed.is_set():
                 return
 
     def _decode(self, frames: int, group: list[_Request]) -> None:
@@ -289,19 +272,15 @@ class CodecClient:
             raise
         return np.frombuffer(raw, dtype="<i2").reshape(count, frames * SAMPLES_PER_FRAME)
 
-    def decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
-        frames = windows[0].length
-        return keep_new_audio(self.decode_codes(windows_to_layer_codes([w.frames for w in windows]), frames), windows)
 
 
-def engine_codec_env(settings: CodecServerSettings) -> dict[str, str]:
-    """Environment of a vLLM process whose engine core is to serve SNAC (gateway.vllm_plugin). vLLM must spawn
-    its engine core: a forked one inherits the parent's "plugins loaded" and would not run the plugin."""
-    return {SERVER_ENV: settings.to_env(), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+def codec_server_env(settings: CodecServerSettings) -> dict[str, str]:
+    """Environment of the shared SNAC process (`python -m gateway.speech.codec_server`)."""
+    return {SERVER_ENV: settings.to_env()}
 
 
 def serve_from_env() -> CodecServer | None:
-    """Start the server SERVER_ENV describes, if set (gateway.vllm_plugin calls this in the engine core)."""
+    """Start the server SERVER_ENV describes, if set."""
     text = os.environ.get(SERVER_ENV)
     if not text:
         return None
@@ -311,7 +290,7 @@ def serve_from_env() -> CodecServer | None:
 
 
 def main() -> int:
-    """`python -m gateway.codec_server`: the shared SNAC process of `serve --workers --snac-placement shared`
+    """`python -m gateway.speech.codec_server`: the shared SNAC process of `serve --workers --snac-placement shared`
     (the supervisor sets SERVER_ENV); serves until SIGTERM or SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s snac-server %(message)s")
     stop = threading.Event()

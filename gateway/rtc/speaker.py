@@ -1,0 +1,108 @@
+"""A session's synthesis worker: its utterances, one after the other, from the shared synthesizer into its
+playout track."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from gateway.media.playout import PlayoutTrack
+from gateway.rtc.services import SessionServices
+from gateway.rtc.utterance import Utterance
+from gateway.service.admission import CapacityError
+from gateway.speech.engine import EngineError
+from gateway.speech.synthesizer import InvalidRequestError, UtteranceStats
+
+log = logging.getLogger(__name__)
+
+SEGMENT_MARKER = "segment"  # playout marker at each sentence's first sample: (index, text)
+
+# fail(utterance, code, message, outcome, **extra): end an utterance with an error event naming it.
+FailUtterance = Callable[..., None]
+
+
+class Speaker:
+    """Takes queued utterances in order; each holds an admission slot while it synthesises, and a cancelled one
+    is skipped. Cancelling the current one (`cancel_current`) closes its audio stream, which aborts its engine
+    request."""
+
+    def __init__(self, services: SessionServices, track: PlayoutTrack, jitter_buffer_ms: int, fail: FailUtterance,
+                 name: str) -> None:
+        self.services = services
+        self.track = track
+        self.jitter_buffer_ms = jitter_buffer_ms
+        self._fail = fail
+        self.pending: asyncio.Queue[Utterance] = asyncio.Queue()
+        self.current: Utterance | None = None
+        self.skipped = 0  # utterances cancelled while they waited (never sent to the engine)
+        self._task: asyncio.Task[None] | None = None
+        self.worker = asyncio.create_task(self._run(), name=name)
+
+    @property
+    def waiting(self) -> int:
+        """Utterances ahead of a newly queued one."""
+        return self.pending.qsize() + (1 if self.current is not None else 0)
+
+    def enqueue(self, utterance: Utterance) -> None:
+        self.pending.put_nowait(utterance)
+        self.services.metrics.queue_depth.inc()
+
+    def cancel_current(self, utterance: Utterance) -> None:
+        if utterance is self.current and self._task is not None:
+            self._task.cancel()
+
+    def clear_pending(self) -> None:
+        while not self.pending.empty():
+            self.pending.get_nowait()
+            self.services.metrics.queue_depth.dec()
+
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for t in (self._task, self.worker) if t is not None]
+
+    async def _run(self) -> None:
+        metrics = self.services.metrics
+        while True:
+            utterance = await self.pending.get()
+            metrics.queue_depth.dec()
+            if utterance.cancelled:
+                self.skipped += 1
+                continue
+            try:
+                slot = self.services.admission.admit_stream()
+            except CapacityError as exc:
+                metrics.rejections_total.labels(exc.code).inc()
+                self._fail(utterance, exc.code, str(exc), "rejected", retry_after_s=exc.retry_after_s)
+                continue
+            self.current = utterance
+            self._task = asyncio.create_task(self._synthesize(utterance))
+            # Released however the task ends, even when it is cancelled before it starts running.
+            self._task.add_done_callback(lambda _task, slot=slot: slot.release())
+            # wait() rather than await: a cancelled utterance must not look like a cancelled worker.
+            await asyncio.wait([self._task])
+            self.current = None
+            self._task = None
+
+    async def _synthesize(self, utterance: Utterance) -> None:
+        synthesizer = self.services.synthesizer()
+        if synthesizer is None:
+            self._fail(utterance, "engine_unavailable", "the speech engine is still starting")
+            return
+        track = self.track
+        track.begin_utterance(utterance.id, self.jitter_buffer_ms)
+        utterance.stats = stats = UtteranceStats(started=utterance.received_at)
+        try:
+            async for chunk in synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats):
+                if chunk.first_of_sentence:
+                    track.mark(utterance.id, SEGMENT_MARKER, (chunk.sentence_index, chunk.sentence_text))
+                track.push_pcm(utterance.id, chunk.pcm)
+            track.end_utterance(utterance.id)
+            self.services.metrics.observe_synthesis(stats.tokens, stats.audio_s, stats.synthesis_s)
+        except (EngineError, InvalidRequestError, RuntimeError) as exc:
+            # RuntimeError: the SNAC worker failed this utterance's decode batch.
+            log.warning("%s: utterance %s failed: %s", self.worker.get_name(), utterance.id, exc)
+            self._fail(utterance, getattr(exc, "code", "synthesis_failed"), str(exc))
+        except Exception:  # a bug must cost one utterance (reported), never the session's worker
+            log.exception("%s: utterance %s failed", self.worker.get_name(), utterance.id)
+            self._fail(utterance, "internal_error", "the utterance could not be synthesised")

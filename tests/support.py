@@ -1,0 +1,384 @@
+"""What the tests share: tiny-engine settings, a real `vllm serve`, the gateway on loopback, WebRTC helpers, frame
+makers, a real coturn, and waiting for a condition. Test modules import from here, never from each other."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestServer
+from aioice import stun
+from aioice import turn as aioice_turn
+from aioice.ice import get_host_addresses
+from aiortc import RTCConfiguration, RTCPeerConnection
+
+from gateway.cluster.workers import vllm_serve_command
+from gateway.config import GatewayConfig, from_sources
+from gateway.devtools.client import HeadlessPeer
+from gateway.edge.app import create_app
+from gateway.edge.http import GATEWAY_KEY
+from gateway.edge.state import GatewayState
+from gateway.orpheus import Frame
+from gateway.rtc.ice import turn_rest_credentials
+from gateway.rtc.protocol import CONTROL_LABEL, protocol_schema
+from gateway.rtc.session import Session
+from gateway.speech.codec import DecodeWindow, StreamWindower
+from gateway.speech.synthesizer import Synthesizer
+
+
+def assert_valid(entry: str, message: object) -> None:
+    """`message` is valid against the protocol schema's `entry` (client_message, server_event, offer, answer)."""
+    import jsonschema
+
+    schema = protocol_schema()
+    validator = jsonschema.Draft202012Validator({**schema, "$ref": f"#/$defs/{entry}"})
+    errors = [error.message for error in validator.iter_errors(message)]
+    assert not errors, f"{message!r} is not a valid {entry}: {errors}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+
+
+def make_frames(n: int, seed: int = 0) -> list[Frame]:
+    rng = np.random.default_rng(seed)
+    return [tuple(int(c) for c in rng.integers(0, 4096, 7)) for _ in range(n)]  # type: ignore[misc]
+
+
+
+def take_all(windower: StreamWindower, final: bool = False) -> list[DecodeWindow]:
+    windows: list[DecodeWindow] = []
+    while (window := windower.take(final)) is not None:
+        windows.append(window)
+    return windows
+
+
+
+def first_window(frames: list[Frame], context: int = 1, lookahead: int = 1) -> DecodeWindow:
+    windower = StreamWindower(context, lookahead)
+    windower.push(frames)
+    window = windower.take(final=len(frames) <= lookahead)
+    assert window is not None
+    return window
+
+
+
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+
+
+
+TOKEN = "static-token-for-tests-0123456789"
+
+
+
+SECRET = "hmac-secret-for-tests-0123456789"
+
+
+
+SCHOOL = "https://school.example"
+
+
+
+EVIL = "https://evil.example"
+
+
+
+EVENT_TIMEOUT_S = 60.0  # the engine is slow on a shared 2-core CPU
+
+
+
+@contextlib.asynccontextmanager
+async def running(config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[tuple[str, GatewayState]]:
+    """The gateway app on 127.0.0.1 around the shared synthesizer: (base url, gateway)."""
+    app = create_app(config, synthesizer)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), app[GATEWAY_KEY]
+    finally:
+        await server.close()
+
+
+
+async def offer_sdp() -> str:
+    """A valid browser-like offer (recvonly audio + `control` data channel); its peer is closed at once."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.createDataChannel(CONTROL_LABEL)
+    pc.addTransceiver("audio", direction="recvonly")
+    await pc.setLocalDescription(await pc.createOffer())
+    sdp = pc.localDescription.sdp
+    await pc.close()
+    return sdp
+
+
+
+class _SilentTransport:
+    """A UDP transport whose packets go nowhere (everything else is the real one)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def sendto(self, data: bytes, addr: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+
+def vanish(peer: HeadlessPeer) -> None:
+    """Cut the peer off the network without closing anything: its packets stop, as when a laptop sleeps."""
+    for ice in peer.pc._RTCPeerConnection__iceTransports:  # type: ignore[attr-defined]
+        for protocol in ice._connection._protocols:
+            protocol.transport = _SilentTransport(protocol.transport)
+
+
+
+@contextlib.asynccontextmanager
+async def detached_session(gateway: GatewayState) -> AsyncIterator[Session]:
+    """A session with no remote peer and no synthesis worker: `handle()` runs, nothing reaches the engine."""
+    manager = gateway.sessions
+    session = manager.session(RTCPeerConnection(RTCConfiguration(iceServers=[])), manager.new_session_id(),
+                              gateway.config.voice, 0)
+    for task in (session.speaker.worker, session._watchdog):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    try:
+        yield session
+    finally:
+        await session.close()
+
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+
+
+
+TURN_SECRET = "turn-secret-for-tests-0123456789"
+
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+
+TURN_CONF = ROOT / "docker" / "turnserver.conf"
+
+
+
+TURNSERVER = shutil.which("turnserver")
+
+
+
+needs_coturn = pytest.mark.skipif(TURNSERVER is None, reason="coturn's `turnserver` is not on PATH "
+                                  "(optional: `apt-get install coturn`; install.sh does not install it)")
+
+
+
+TURN_START_TIMEOUT_S = 20.0
+
+
+
+ALLOCATE_TIMEOUT_S = 5.0
+
+
+
+def free_udp_tcp_port() -> int:
+    # coturn listens on this port over UDP and TCP: one free on both.
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.bind(("127.0.0.1", 0))
+            port = udp.getsockname()[1]
+            with socket.socket() as tcp:
+                try:
+                    tcp.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+
+
+
+@dataclasses.dataclass
+class Coturn:
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"turn:127.0.0.1:{self.port}?transport=udp"
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+
+
+class _Nothing(asyncio.DatagramProtocol):
+    pass
+
+
+
+async def allocate(port: int, username: str, credential: str) -> aioice_turn.TurnTransport:
+    transport, _ = await asyncio.wait_for(
+        aioice_turn.create_turn_endpoint(_Nothing, ("127.0.0.1", port), username, credential), ALLOCATE_TIMEOUT_S)
+    return transport
+
+
+
+@pytest.fixture(scope="module", name="coturn")  # conftest imports it for test_turn and test_web
+def coturn_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coturn]:
+    """`turnserver` with the repo's docker/turnserver.conf and the secret on the command line, as compose runs it.
+
+    Overrides for a test machine only: loopback listener and a free port, state files in a temp dir, and the
+    machine's own addresses allowed as peers (the conf denies private ranges, and both peers live here).
+    """
+    assert TURNSERVER is not None
+    tmp = tmp_path_factory.mktemp("coturn")
+    port = free_udp_tcp_port()
+    peers = ["127.0.0.1", *get_host_addresses(use_ipv4=True, use_ipv6=False)]
+    cmd = [TURNSERVER, "-c", str(TURN_CONF), "--listening-ip=127.0.0.1", f"--listening-port={port}",
+           f"--static-auth-secret={TURN_SECRET}", "--allow-loopback-peers",
+           *(f"--allowed-peer-ip={ip}" for ip in peers),
+           f"--pidfile={tmp / 'turnserver.pid'}", f"--userdb={tmp / 'turndb'}"]
+    log_path = tmp / "turnserver.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield Coturn(port, log_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+
+async def wait_for_coturn(coturn: Coturn) -> None:
+    """Until an allocation with fresh credentials works (coturn takes a moment to open its relay ports)."""
+    deadline = time.monotonic() + TURN_START_TIMEOUT_S
+    while True:
+        try:
+            (await allocate(coturn.port, *turn_rest_credentials(TURN_SECRET, 60, "probe"))).close()
+            return
+        except (asyncio.TimeoutError, ConnectionError, stun.TransactionError, OSError):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"coturn did not allocate within {TURN_START_TIMEOUT_S} s:\n"
+                                     f"{coturn.log_tail()}") from None
+            await asyncio.sleep(0.5)
+
+
+
+
+
+# Tiny-model stop rate per frame: utterances of ~1 s on average, still bounded by max_tokens.
+TEST_STOP_PROBABILITY = 0.08
+
+
+
+TEST_MAX_TOKENS = 140  # 20 frames = 1.7 s of audio at most per sentence
+
+
+
+def tiny_config(model_dir: Path, snac_dir: Path, **overrides: object) -> GatewayConfig:
+    """Engine settings that start fastest on a 2-core CPU."""
+    values: dict[str, object] = dict(
+        model=str(model_dir), snac_model=str(snac_dir), snac_device="cpu", enforce_eager=True,
+        max_model_len=1024, max_num_seqs=32, max_tokens=TEST_MAX_TOKENS, engine_health_interval_s=0.5,
+        engine_restart_delay_s=0.2, gc_freeze=False, dtype="float32", warmup_batch_sizes=[2],
+    )
+    values.update(overrides)
+    return from_sources(env={}, **values)
+
+
+
+SERVER_START_TIMEOUT_S = 300.0  # ~40-60 s on an idle 2-core CPU; more while other engine tests share the cores
+
+
+
+class VllmServer:
+    """`vllm serve` in its own process group (the API server and its engine-core child die together)."""
+
+    def __init__(self, config: GatewayConfig, port: int, log_path: Path) -> None:
+        self.config, self.port, self.log_path = config, port, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        # The command `serve --workers` runs when it starts its own server: the tiny model's CPU settings.
+        cmd = vllm_serve_command(self.config, "127.0.0.1", self.port)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def wait_healthy(self, timeout: float = SERVER_START_TIMEOUT_S) -> None:
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() - t0 < timeout:
+                assert self.proc is not None and self.proc.poll() is None, f"vllm serve exited:\n{self.log_tail()}"
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with http.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        if r.status == 200:
+                            self.start_s = time.monotonic() - t0
+                            return
+                await asyncio.sleep(0.5)
+        raise AssertionError(f"vllm serve not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # the engine core, should it outlive its parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    async def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric over its label sets, e.g. vllm:num_requests_running."""
+        async with aiohttp.ClientSession() as http, http.get(f"{self.url}/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
