@@ -51,6 +51,7 @@ class RequestRecord:
     gap_p95_ms: float | None = None
     playback: dict[str, dict[str, Any]] = field(default_factory=dict)  # by client buffer (ms)
     server: dict[str, Any] | None = None  # WebRTC: the server's `started`/`done` figures
+    endings: int | None = None  # WebRTC: terminal events received for it (exactly one is right)
     arrivals: list[tuple[float, float]] | None = None  # kept only with --keep-arrivals (ms, ms)
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +110,11 @@ def summarize(records: Sequence[RequestRecord], users: int, buffers_ms: Sequence
         "playback": {str(b): _playback_summary(records, str(b)) for b in buffers_ms},
         "errors": sorted({r.error for r in records if r.error}),
     }
+    audited = [r for r in records if r.endings is not None]
+    if audited:  # WebRTC: the exactly-once audit of every utterance's ending
+        summary["endings"] = {"audited": len(audited), "missing": sum(1 for r in audited if r.endings == 0),
+                              "doubled": sum(1 for r in audited if r.endings > 1),
+                              "out_of_order": sum(1 for r in audited if r.error == "events_out_of_order")}
     servers = [r.server for r in ok if r.server]
     if servers:
         summary["server"] = _server_summary(servers)

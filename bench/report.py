@@ -59,6 +59,14 @@ def _realtime_users(buffer_ms: int) -> Callable[[dict[str, Any]], str]:
     return cell
 
 
+def _endings(summary: dict[str, Any]) -> str:
+    """Utterances whose ending was not exactly one terminal event (missing + doubled + out of order): must be 0."""
+    endings = summary.get("endings")
+    if endings is None:
+        return MISSING
+    return str(endings["missing"] + endings["doubled"] + endings["out_of_order"])
+
+
 def _underruns(summary: dict[str, Any]) -> str:
     server = summary.get("server")
     return MISSING if server is None else f"{server['underruns']} ({server['underrun_ms']} ms)"
@@ -69,10 +77,12 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
     n: Column = (axis, lambda s: str(s["users"]))
     stalls = [(f"stalled @{b} ms", _stalled(b)) for b in buffers_ms]
     underruns: Column = ("server underruns", _underruns)
+    endings: Column = ("endings not once", _endings)
     if scenario == STRESS:
         return [n, ("success", _success), ("wall s", _fixed(2, "wall_s")), ("audio s", _fixed(2, "audio_s")),
                 ("RTF", _fixed(3, "rtf")), ("real-time users", _fixed(1, "realtime_users")),
-                ("TTFA p50 ms", _ms("ttfa_ms", "p50")), ("TTFA max ms", _ms("ttfa_ms", "max")), *stalls, underruns]
+                ("TTFA p50 ms", _ms("ttfa_ms", "p50")), ("TTFA max ms", _ms("ttfa_ms", "max")), *stalls, underruns,
+                endings]
     if scenario == TTFA:
         latency = [(f"{name.upper()} {stat} ms", _ms(f"{name}_ms", stat))
                    for name, stats in (("ttft", ("min", "avg", "max")), ("ttff", ("avg", "max")),
@@ -89,7 +99,7 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
         realtime = [(f"real-time users @{b} ms", _realtime_users(b)) for b in buffers_ms]
         return [n, ("streams", lambda s: str(s["requests"])), ("success", _success),
                 ("max gap ms", _ms("max_gap_ms")), ("RTF max", _fixed(2, "stream_rtf", "max")),
-                ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime, underruns]
+                ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime, underruns, endings]
     raise ValueError(f"unknown scenario {scenario!r}")
 
 

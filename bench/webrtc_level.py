@@ -144,6 +144,10 @@ async def _speak_one(peer: HeadlessPeer, request: PlannedRequest, options: Bench
     if outcome is not None:
         record.done_ms = round((outcome.at - sent) * MS, 2)
     record.server = _server_figures(peer, uid)
+    endings = peer.endings(uid)  # after the grace period: a second ending would have arrived by now
+    record.endings = len(endings.terminal)
+    if endings.out_of_order and record.error is None:
+        record.error = "events_out_of_order"
     apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals)
     return record
 

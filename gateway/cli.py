@@ -42,7 +42,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The engine loads after the port is open (health answers at once); if it cannot start, stop: an
     # orchestrator restarts or reports a process that exits, not one that stays "not ready" for ever.
     state.on_failure = lambda _reason: os.kill(os.getpid(), signal.SIGTERM)
-    web.run_app(app, host=config.host, port=config.port, access_log=None)
+    try:
+        web.run_app(app, host=config.host, port=config.port, access_log=None)
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        print(f"orpheus-gateway: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     if state.failure is not None:
         print(f"orpheus-gateway: error: the speech engine cannot start: {state.failure}", file=sys.stderr)
         return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import wave
@@ -114,6 +115,19 @@ def test_missing_checkpoint_is_one_clear_line(tiny_model_dir: Path, command: str
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert looked_for in lines[0] and fix in lines[0] and "make-test-model" in lines[0]
+
+
+def test_port_in_use_is_one_clear_line(tiny_model_dir: Path, tiny_snac_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+                               "--model", str(tiny_model_dir), "--snac-model", str(tiny_snac_dir),
+                               "--log-level", "error"], capture_output=True, text=True, timeout=300, env=cli_env())
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"orpheus-gateway: error: cannot listen on 127.0.0.1:{port}")
+    assert "Traceback" not in proc.stderr
 
 
 def test_cpu_start_caps_warm_up_and_kv_cache() -> None:

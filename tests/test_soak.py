@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.devtools.client import HeadlessPeer
+from gateway.devtools.client import Endings, HeadlessPeer
 from gateway.edge.state import GatewayState
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import EVENT_TIMEOUT_S, fd_count, running, vanish, wait_until
@@ -36,6 +36,7 @@ SOAK_WAVE = int(os.environ.get("ORPHEUS_SOAK_WAVE", "10"))  # sessions open at o
 SOAK_SEED = int(os.environ.get("ORPHEUS_SOAK_SEED", "6"))
 HEARTBEAT_S = 2.0  # vanished peers are reaped by the heartbeat
 SETTLE_TIMEOUT_S = 60.0
+ENDING_GRACE_S = 0.5
 # Slack over the baseline once everything is closed: aiortc and aiohttp keep a few pooled objects.
 TASK_SLACK = 5
 FD_SLACK = 10
@@ -75,9 +76,10 @@ def _release_free_memory() -> None:
             libc.malloc_trim(0)
 
 
-async def _one_session(base: str, index: int, behaviour: str) -> None:
+async def _one_session(base: str, index: int, behaviour: str, audits: dict[str, Endings]) -> None:
     peer = HeadlessPeer(base, jitter_buffer_ms=0)
     uid = f"u{index}"
+    spoken = {"listen": [uid], "cancel": [uid], "interrupt": [f"{uid}a", f"{uid}b"]}.get(behaviour, [])
     try:
         await peer.connect(timeout=EVENT_TIMEOUT_S)
         if behaviour == "listen":
@@ -105,6 +107,9 @@ async def _one_session(base: str, index: int, behaviour: str) -> None:
             await peer.wait_event("pong", timeout=EVENT_TIMEOUT_S)
             vanish(peer)
             return  # closed below, locally only: the server must notice by itself
+        await asyncio.sleep(ENDING_GRACE_S)  # a second ending, were one sent, arrives meanwhile
+        audits.update({spoken_id: peer.endings(spoken_id) for spoken_id in spoken})
+        assert not peer.protocol_violations, peer.protocol_violations
         if index % 2:  # half end with DELETE, half just close the peer
             async with aiohttp.ClientSession() as http:
                 await http.delete(f"{base}/v1/webrtc/sessions/{peer.session_id}")
@@ -112,10 +117,11 @@ async def _one_session(base: str, index: int, behaviour: str) -> None:
         await peer.close()
 
 
-async def _wave(base: str, first: int, count: int, rng: random.Random) -> list[BaseException]:
+async def _wave(base: str, first: int, count: int, rng: random.Random, audits: dict[str, Endings]
+                ) -> list[BaseException]:
     names, weights = list(BEHAVIOURS), list(BEHAVIOURS.values())
     plan = [(first + i, rng.choices(names, weights)[0]) for i in range(count)]
-    results = await asyncio.gather(*(_one_session(base, i, b) for i, b in plan), return_exceptions=True)
+    results = await asyncio.gather(*(_one_session(base, i, b, audits) for i, b in plan), return_exceptions=True)
     return [r for r in results if isinstance(r, BaseException)]
 
 
@@ -131,7 +137,8 @@ async def test_soak_returns_to_baseline(test_config: GatewayConfig, synthesizer:
     async with running(config, synthesizer) as (base, gateway):
         # Warm-up wave: first use allocates codecs, pools and caches that are not leaks.
         warmup = min(SOAK_WAVE, SOAK_SESSIONS)
-        failures = await _wave(base, 0, warmup, rng)
+        audits: dict[str, Endings] = {}
+        failures = await _wave(base, 0, warmup, rng, audits)
         await wait_until(lambda: _settled(gateway), timeout=SETTLE_TIMEOUT_S)
         await asyncio.sleep(1.0)
         baseline = Snapshot.take()
@@ -139,7 +146,7 @@ async def test_soak_returns_to_baseline(test_config: GatewayConfig, synthesizer:
         done = warmup
         while done < SOAK_SESSIONS:
             count = min(SOAK_WAVE, SOAK_SESSIONS - done)
-            failures += await _wave(base, done, count, rng)
+            failures += await _wave(base, done, count, rng, audits)
             done += count
             print(f"soak: {done}/{SOAK_SESSIONS} sessions, {time.monotonic() - started:.0f} s, "
                   f"RSS {Snapshot.take().rss_mb:.0f} MB, fds {fd_count()}")  # shown with -s: the trend of a long soak
@@ -154,6 +161,10 @@ async def test_soak_returns_to_baseline(test_config: GatewayConfig, synthesizer:
               f"RSS {baseline.rss_mb:.0f}->{final.rss_mb:.0f} MB (limit +{rss_limit:.0f}); "
               f"failed sessions {len(failures)}: {[repr(f) for f in failures[:3]]}")
         assert not failures, f"{len(failures)} sessions failed, e.g. {failures[0]!r}"
+        # Exactly-once endings: every accepted speak ended with one terminal event, in order, nothing after it.
+        broken = {uid: endings for uid, endings in audits.items() if not endings.exactly_once}
+        print(f"soak: endings audited for {len(audits)} utterances, {len(broken)} not exactly once")
+        assert audits and not broken, broken
         assert final.tasks <= baseline.tasks + TASK_SLACK
         assert final.fds <= baseline.fds + FD_SLACK
         assert final.rss_mb <= baseline.rss_mb + rss_limit

@@ -52,6 +52,20 @@ class ReceivedEvent:
 
 
 @dataclass
+class Endings:
+    """What ended one utterance, as a client saw it: every accepted `speak` must end with exactly one terminal
+    event (`done`, `cancelled` or an `error` naming it), after its `queued`/`started`, with nothing about it after
+    that."""
+
+    terminal: list[str]  # the terminal event types received for it, in order
+    out_of_order: list[str]  # why its events came in a wrong order, if they did
+
+    @property
+    def exactly_once(self) -> bool:
+        return len(self.terminal) == 1 and not self.out_of_order
+
+
+@dataclass
 class HeadlessPeer:
     base_url: str
     voice: str | None = None
@@ -137,6 +151,21 @@ class HeadlessPeer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event_arrived.wait(), remaining)
         return found[0].message
+
+    def endings(self, utterance_id: str) -> Endings:
+        """The exactly-once audit of one utterance id over the events received so far."""
+        mine = [e.message for e in self.events if e.message.get("id") == utterance_id]
+        kinds = [m.get("type") for m in mine]
+        terminal = [k for k in kinds if k in protocol.TERMINAL_EVENTS]
+        problems: list[str] = []
+        if terminal:
+            first_end = next(i for i, k in enumerate(kinds) if k in protocol.TERMINAL_EVENTS)
+            if first_end < len(kinds) - 1:
+                problems.append(f"{kinds[first_end + 1:]} after {kinds[first_end]}")
+        for before, after in (("queued", "started"), ("started", "segment")):
+            if after in kinds and before in kinds and kinds.index(after) < kinds.index(before):
+                problems.append(f"{after} before {before}")
+        return Endings(terminal, problems)
 
     def event_time(self, kind: str, utterance_id: str | None = None) -> float:
         return self.find(kind, utterance_id)[0].at

@@ -8,6 +8,7 @@ import uuid
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
 from gateway.rtc.ice import ice_servers
+from gateway.rtc.sctp import clamp_sctp_fragments
 from gateway.rtc.services import SessionServices
 from gateway.rtc.session import Session
 from gateway.service.admission import Slot
@@ -18,6 +19,7 @@ class SessionManager:
     session)."""
 
     def __init__(self, services: SessionServices, id_prefix: str = "") -> None:
+        clamp_sctp_fragments()  # before any peer: every data channel of this process fits a 1280 B path
         self.services = services
         self.id_prefix = id_prefix
         self.sessions: dict[str, Session] = {}
