@@ -219,4 +219,5 @@ def test_serve_whose_engine_cannot_start_says_why_and_exits(tiny_model_dir: Path
         env={k: v for k, v in cli_env().items() if k != "VLLM_CPU_KVCACHE_SPACE"}, capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "orpheus-gateway: error: the speech engine cannot start:" in proc.stderr.strip().splitlines()[-1]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("orpheus-gateway: error:")]
+    assert len(said) == 1 and "the speech engine cannot start:" in said[0], proc.stderr[-3000:]

@@ -29,6 +29,7 @@ from gateway.edge.state import GatewayState
 from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
 from gateway.rtc.session import ProtocolError
 from gateway.service.admission import AT_CAPACITY, Admission, CapacityError, TokenBucket
+from gateway.speech import codec
 from gateway.speech.codec import DecodeWindow
 from gateway.speech.engine import EngineState
 from gateway.speech.synthesizer import Synthesizer
@@ -514,7 +515,7 @@ async def test_snac_decode_failure_fails_that_utterance_only(
     marked: list[DecodeWindow] = []  # held, so their ids stay unique while the test runs
     marked_ids: set[int] = set()
     real_utterance, real_decode_many = synthesizer.utterance, decoder.decode_many
-    real_decode_all, real_model_decode = decoder._decode_all, decoder.model.decode
+    real_decode_group, real_decode_windows = decoder._decode_group, codec.decode_windows
 
     def utterance(text: Any, voice: str | None = None, **kw: Any) -> AsyncIterator[Any]:
         async def tagged() -> AsyncIterator[Any]:
@@ -530,23 +531,23 @@ async def test_snac_decode_failure_fails_that_utterance_only(
             marked_ids.update(id(w) for w in windows)
         return await real_decode_many(windows)
 
-    def model_decode(windows: list[DecodeWindow]) -> Any:
+    def decode_windows(model: Any, windows: list[DecodeWindow]) -> Any:
         if any(id(w) in marked_ids for w in windows):
             raise RuntimeError("injected SNAC fault")
-        return real_model_decode(windows)
+        return real_decode_windows(model, windows)
 
-    def decode_all(jobs: list[Any]) -> None:
+    def decode_group(length: int, jobs: list[Any]) -> None:
         # Keep the faulty windows in batches of their own, so the injected fault hits one utterance only.
         healthy = [j for j in jobs if id(j.window) not in marked_ids]
         faulty = [j for j in jobs if id(j.window) in marked_ids]
         for group in (healthy, faulty):
             if group:
-                real_decode_all(group)
+                real_decode_group(length, group)
 
     monkeypatch.setattr(synthesizer, "utterance", utterance)
     monkeypatch.setattr(decoder, "decode_many", decode_many)
-    monkeypatch.setattr(decoder, "_decode_all", decode_all)
-    monkeypatch.setattr(decoder.model, "decode", model_decode)
+    monkeypatch.setattr(decoder, "_decode_group", decode_group)
+    monkeypatch.setattr(codec, "decode_windows", decode_windows)
     async with running(test_config, synthesizer) as (base, gateway):
         healthy, faulty = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
         await asyncio.gather(healthy.connect(), faulty.connect())

@@ -173,7 +173,7 @@ async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gatew
     await peer.connect()
     seen: dict[str, tuple[int, bool]] = {}
     session = session_of(gateway, peer)
-    original = session._on_playout_event
+    original = session.reporter.on_playout_event
 
     def spy(event):  # type: ignore[no-untyped-def]
         if event.kind is PlayoutEventKind.STARTED:

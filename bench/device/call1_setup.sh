@@ -7,10 +7,6 @@ cd $SRC  # python -m puts the working directory first on sys.path
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/site
 ( cd /tmp/site && tar -xJf $DC/cur1/siteA.tar.xz )
 python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site $DC/gw1/*.whl $DC/bench/snac-*.whl
-# The gateway runs from a source tree here, not installed: give vLLM its plugin entry point (snac_placement engine).
-DIST=/tmp/site/orpheus_gateway-0.1.0.dist-info; mkdir -p $DIST
-printf 'Metadata-Version: 2.1\nName: orpheus-gateway\nVersion: 0.1.0\n' > $DIST/METADATA
-printf '[vllm.general_plugins]\norpheus_snac = gateway.vllm_plugin:register\n' > $DIST/entry_points.txt
 echo "unpacked A + gateway deps in $(( $(date +%s) - T0 ))s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -V; nproc; free -g | head -2
