@@ -22,6 +22,7 @@ ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("float32", "bfloat16", "float16")
 SNAC_PLACEMENTS = ("process", "shared")
+SNAC_DECODERS = ("stream", "windows")
 JITTER_BUFFER_MAX_MS = 5000  # the one bound of a session's jitter buffer (flag, offer, WHEP query, page)
 MIN_SECRET_CHARS = 16  # shorter static tokens or HMAC secrets are guessable; refused at start-up
 ANY_ORIGIN = "*"
@@ -94,6 +95,10 @@ class GatewayConfig:
     snac_device: str = _opt("auto", "Device for SNAC decoding: auto (cuda if present), cpu, cuda, cuda:N.")
     snac_dtype: str = _opt("float32", "SNAC decoder precision: float32, bfloat16 (about half the GPU time; "
                            "bench/device/snac_check.py measures the difference) or float16.")
+    snac_decoder: str = _opt("stream", "How SNAC decodes. stream: the exact incremental decoder (each frame decoded "
+                             "once, output equal to a full decode; gateway/speech/snac_stream.py). windows: "
+                             "sliding windows (decode_* settings below; ~2.9 frames decoded per new frame, "
+                             "approximate). The shared SNAC process of --workers decodes windows.")
     decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
     decode_fast_start_ms: float = _opt(45.0, "Play an utterance's first frame without waiting for its lookahead "
@@ -153,9 +158,20 @@ class GatewayConfig:
     session_connect_timeout_s: float = _opt(30.0, "Close a session whose data channel has not opened by then "
                                             "(0 = off).")
     max_session_s: float = _opt(4 * 3600.0, "Longest a session may last, in seconds (0 = no limit).")
+    whep_path: str = _opt("/whep", "Path of the WHEP endpoint (POST an SDP offer; its sessions live under it).")
     max_messages_per_second: float = _opt(20.0, "Data-channel messages per second per session; more get "
                                           "`rate_limited` and are dropped (0 = no limit).")
     message_burst: int = _opt(40, "Data-channel messages a session may send at once above that rate.")
+    # --- lesson (word timings, visemes, slow repeat) ------------------------------------------------
+    aligner_model: str | None = _opt(None, "wav2vec2-style CTC checkpoint (HF id or local path) for aligned word "
+                                     "timings, e.g. facebook/wav2vec2-base-960h; loaded once per process, run in "
+                                     "one worker thread (estimated timings whenever it is busy or late). None: "
+                                     "estimated timings only (docs/lesson.md).")
+    language: str | None = _opt(None, "Language of the lesson text for visemes and timings (espeak-ng names: "
+                                "en-us, en-gb, pt-br, pt, ...); default: the voice's language (en-us for the "
+                                "English voices).")
+    replay_cache_utterances: int = _opt(8, "Utterances each session keeps for `repeat` (0 = no repeat).")
+    replay_cache_s: float = _opt(60.0, "Seconds of audio each session keeps for `repeat` (24 kHz int16: 48 kB/s).")
     # --- admission --------------------------------------------------------------------------------
     max_in_flight_utterances: int = _opt(0, "Most utterances synthesising at once, all sessions and HTTP requests "
                                          "together; more get `at_capacity` (0 = max_num_seqs x data_parallel_size).")
@@ -274,6 +290,7 @@ def validate(config: GatewayConfig) -> None:
         (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
         (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
         (config.snac_placement in SNAC_PLACEMENTS, f"snac_placement must be one of {', '.join(SNAC_PLACEMENTS)}"),
+        (config.snac_decoder in SNAC_DECODERS, f"snac_decoder must be one of {', '.join(SNAC_DECODERS)}"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
         (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
         (config.decode_max_hop_frames >= 1, "decode_max_hop_frames must be >= 1"),
@@ -294,6 +311,8 @@ def validate(config: GatewayConfig) -> None:
          f"engine_tokens_per_second must be 0 (off) or at least {AUDIO_TOKENS_PER_SECOND:.2f} (one stream)"),
         (config.max_messages_per_second >= 0, "max_messages_per_second must be >= 0 (0 = no limit)"),
         (config.message_burst >= 1, "message_burst must be >= 1"),
+        (config.replay_cache_utterances >= 0, "replay_cache_utterances must be >= 0 (0 = no repeat)"),
+        (config.replay_cache_s >= 0, "replay_cache_s must be >= 0"),
         (config.session_idle_timeout_s >= 0, "session_idle_timeout_s must be >= 0"),
         (config.heartbeat_timeout_s >= 0, "heartbeat_timeout_s must be >= 0 (0 = off)"),
         (config.session_connect_timeout_s >= 0, "session_connect_timeout_s must be >= 0 (0 = off)"),

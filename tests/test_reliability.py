@@ -508,13 +508,13 @@ FAULTY_UTTERANCE: contextvars.ContextVar[bool] = contextvars.ContextVar("faulty_
 
 @needs_engine
 async def test_snac_decode_failure_fails_that_utterance_only(
-        test_config: GatewayConfig, synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+        test_config: GatewayConfig, windows_synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The SNAC model raises for one utterance's windows: it gets an error event; a concurrent one finishes."""
     faulty_voice = "leah"
-    decoder = synthesizer.decoder
+    decoder = windows_synthesizer.decoder
     marked: list[DecodeWindow] = []  # held, so their ids stay unique while the test runs
     marked_ids: set[int] = set()
-    real_utterance, real_decode_many = synthesizer.utterance, decoder.decode_many
+    real_utterance, real_decode_many = windows_synthesizer.utterance, decoder.decode_many
     real_decode_group, real_decode_windows = decoder._decode_group, codec.decode_windows
 
     def utterance(text: Any, voice: str | None = None, **kw: Any) -> AsyncIterator[Any]:
@@ -544,11 +544,11 @@ async def test_snac_decode_failure_fails_that_utterance_only(
             if group:
                 real_decode_group(length, group)
 
-    monkeypatch.setattr(synthesizer, "utterance", utterance)
+    monkeypatch.setattr(windows_synthesizer, "utterance", utterance)
     monkeypatch.setattr(decoder, "decode_many", decode_many)
     monkeypatch.setattr(decoder, "_decode_group", decode_group)
     monkeypatch.setattr(codec, "decode_windows", decode_windows)
-    async with running(test_config, synthesizer) as (base, gateway):
+    async with running(test_config, windows_synthesizer) as (base, gateway):
         healthy, faulty = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
         await asyncio.gather(healthy.connect(), faulty.connect())
         try:
@@ -562,7 +562,7 @@ async def test_snac_decode_failure_fails_that_utterance_only(
             marked_ids.clear()
             faulty.speak("again", "The decoder works again.")
             await faulty.wait_event("done", "again", timeout=EVENT_TIMEOUT_S)
-            await wait_until(lambda: synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
+            await wait_until(lambda: windows_synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
                              timeout=CLEANUP_TIMEOUT_S)
         finally:
             await asyncio.gather(healthy.close(), faulty.close())

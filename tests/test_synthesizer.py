@@ -79,7 +79,8 @@ async def test_sixteen_concurrent_streams_complete(synthesizer: Synthesizer) -> 
     results = await asyncio.gather(*(one(i) for i in range(16)))
     assert all(s.frames >= 1 and s.samples == s.frames * SAMPLES_PER_FRAME for s in results)
     assert synthesizer.engine.in_flight == 0
-    assert synthesizer.decoder.stats.batches < synthesizer.decoder.stats.windows, "windows were batched"
+    stats = synthesizer.decoder.stats
+    assert stats.batches < stats.windows, "streams were decoded together, several per launch"
 
 
 async def test_cancel_mid_stream_aborts_engine_request(synthesizer: Synthesizer) -> None:
@@ -135,11 +136,12 @@ def sentence_tasks() -> list[asyncio.Task[Any]]:
     return [t for t in asyncio.all_tasks() if not t.done() and t.get_coro().__qualname__ in names]  # type: ignore[union-attr]
 
 
-async def test_adaptive_hop_emits_every_frame_once_and_cancels_cleanly(synthesizer: Synthesizer) -> None:
+async def test_adaptive_hop_emits_every_frame_once_and_cancels_cleanly(windows_synthesizer: Synthesizer) -> None:
     """A slow decoder: frames pile up during each round and the next window takes them all (up to max hop);
     still exactly frames * 2048 samples, and a cancel mid-round leaves no task and no engine request behind."""
-    slow = SlowDecoder(synthesizer.decoder, delay_s=0.25)
-    synth = Synthesizer(synthesizer.config, synthesizer.engine, synthesizer.tokenizer, slow)  # type: ignore[arg-type]
+    windows = windows_synthesizer
+    slow = SlowDecoder(windows.decoder, delay_s=0.25)
+    synth = Synthesizer(windows.config, windows.engine, windows.tokenizer, slow)  # type: ignore[arg-type]
     max_hop = synth.config.decode_max_hop_frames
     for seed in range(20, 40):  # the tiny model stops at random: find an utterance of some length
         slow.rounds.clear()
@@ -160,18 +162,19 @@ async def test_adaptive_hop_emits_every_frame_once_and_cancels_cleanly(synthesiz
     await anext(stream)
     await wait_until(lambda: slow.in_flight == 1)  # a round is being decoded
     await stream.aclose()
-    assert synthesizer.engine.in_flight == 0
+    assert windows_synthesizer.engine.in_flight == 0
     assert sentence_tasks() == []
     await wait_until(lambda: slow.in_flight == 0, timeout=2)
-    await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
+    await wait_until(lambda: windows_synthesizer.engine.unfinished_requests() == 0)
 
 
-async def test_a_stream_ahead_of_real_time_decodes_whole_windows(synthesizer: Synthesizer,
+async def test_a_stream_ahead_of_real_time_decodes_whole_windows(windows_synthesizer: Synthesizer,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Far enough ahead (the lead is forced: the tiny model on 2 cores is slower than real time), every window
     after the first waits for max_hop new frames; all frames still come out exactly once."""
-    spy = SlowDecoder(synthesizer.decoder, delay_s=0.0)
-    synth = Synthesizer(synthesizer.config, synthesizer.engine, synthesizer.tokenizer, spy)  # type: ignore[arg-type]
+    windows = windows_synthesizer
+    spy = SlowDecoder(windows.decoder, delay_s=0.0)
+    synth = Synthesizer(windows.config, windows.engine, windows.tokenizer, spy)  # type: ignore[arg-type]
     monkeypatch.setattr(Synthesizer, "_lead_s", staticmethod(lambda stats: 60.0))
     max_hop = synth.config.decode_max_hop_frames
     for seed in range(20, 40):
@@ -191,12 +194,13 @@ async def test_a_stream_ahead_of_real_time_decodes_whole_windows(synthesizer: Sy
 
 @pytest.mark.parametrize(("fast_start_ms", "first_length"), [(0.0, 2), (1e6, 1)])
 async def test_first_frame_starts_early_only_when_the_next_frames_come_in_time(
-        synthesizer: Synthesizer, fast_start_ms: float, first_length: int) -> None:
+        windows_synthesizer: Synthesizer, fast_start_ms: float, first_length: int) -> None:
     """The first window skips its lookahead frame only when the token rate says frames 2 and 3 arrive within
     decode_fast_start_ms (forced here both ways: 0 = never, 1e6 ms = always); every frame still plays once."""
-    spy = SlowDecoder(synthesizer.decoder, delay_s=0.0)
-    config = dataclasses.replace(synthesizer.config, decode_fast_start_ms=fast_start_ms)
-    synth = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, spy)  # type: ignore[arg-type]
+    windows = windows_synthesizer
+    spy = SlowDecoder(windows.decoder, delay_s=0.0)
+    config = dataclasses.replace(windows_synthesizer.config, decode_fast_start_ms=fast_start_ms)
+    synth = Synthesizer(config, windows_synthesizer.engine, windows_synthesizer.tokenizer, spy)  # type: ignore[arg-type]
     for seed in range(20, 40):
         spy.lengths.clear()
         spy.rounds.clear()

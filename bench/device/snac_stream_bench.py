@@ -71,6 +71,30 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int
     return statistics.median(gpu), statistics.median(wall)
 
 
+def _snake_eager(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    shape = x.shape
+    x = x.reshape(shape[0], shape[1], -1)
+    x = x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+    return x.reshape(shape)
+
+
+def use_compiled_snake() -> None:
+    """Replace snac's Snake (several elementwise kernels, each a full pass over memory) by one Inductor kernel,
+    in snac itself (the windows decoder) and in the streaming decoder. Dynamic shapes: one compile for all."""
+    import snac.layers
+
+    import gateway.speech.snac_stream as stream
+
+    import torch._dynamo
+
+    # One graph per (dtype, batch 1 or more, channel count) at most: a few dozen small compiles.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    compiled = torch.compile(_snake_eager, dynamic=True, fullgraph=True)
+    snac.layers.snake = compiled
+    stream.snake = compiled
+
+
 def bench_windows(snac_dir: str, device: torch.device, dtype: str, batches: list[int], repeats: int,
                   warmup: int) -> list[dict[str, Any]]:
     model = SnacModel.load(snac_dir, str(device), dtype)
@@ -193,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snac-dir", default=None, help="a SNAC checkpoint folder (default: random weights)")
     parser.add_argument("--no-check", action="store_true", help="skip the exactness check")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--snake", choices=("script", "compiled"), default="script",
+                        help="Snake activation: snac's TorchScript function, or one torch.compile kernel (fused)")
     args = parser.parse_args(argv)
+    if args.snake == "compiled":
+        use_compiled_snake()
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -207,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "torch": torch.__version__, "batches": batches, "dtypes": dtypes, "repeats": repeats,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32 if cuda else None, "results": []}
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32 if cuda else None, "snake": args.snake, "results": []}
         if not args.no_check:
             report["check"] = check(snac_dir, device, "bfloat16" in dtypes)
             print("check:", json.dumps(report["check"]), flush=True)
@@ -243,4 +271,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torch.inference_mode():  # the captured graphs' buffers are inference tensors
+        sys.exit(main())

@@ -24,6 +24,7 @@ from gateway.orpheus import (
     SAMPLE_RATE,
     SLOTS_PER_FRAME,
     AudioTokenParser,
+    Frame,
     build_prompt,
     sentence_token_cap,
     split_sentences,
@@ -33,6 +34,8 @@ from gateway.speech.codec import CodeDecoder, DecodeBatcher, SnacModel, StreamWi
 from gateway.speech.codec_server import CodecClient, CodecServerSettings
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.remote import RemoteEngine
+from gateway.speech.snac_stream import StreamingSnac
+from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class AudioChunk:
     sentence_index: int
     sentence_text: str
     first_of_sentence: bool
+    last_of_sentence: bool = False  # its sentence's audio is complete (word timings can be made now)
 
 
 @dataclass
@@ -112,16 +116,22 @@ class UtteranceStats:
 
 
 _END = object()  # end of one sentence's chunk queue
+# Stream slots beyond the engine's sequences: a sentence's slot is freed only after its last audio is out, while
+# the next sentence of the same utterance may already be generating.
+STREAM_SLOT_SPARE = 64
 
 
 class Synthesizer:
     """Owns the engine, the tokenizer and the SNAC decoder; hands out audio streams."""
 
-    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any, decoder: DecodeBatcher) -> None:
+    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any,
+                 decoder: DecodeBatcher | StreamDecoder) -> None:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.decoder = decoder
+        # The exact streaming decoder when that is what decodes here; else sliding windows (`_decode`).
+        self.streams = decoder if isinstance(decoder, StreamDecoder) else None
         self.voices = list(config.voice_list)
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
         self._patient_lead_s = config.decode_patient_lead_ms / 1000
@@ -137,7 +147,8 @@ class Synthesizer:
 
         require_checkpoints(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        decoder = DecodeBatcher(_code_decoder(config), config.decode_max_batch)
+        decoder = _stream_decoder(config) if uses_stream_decoder(config) else \
+            DecodeBatcher(_code_decoder(config), config.decode_max_batch)
         engine: EngineBase = RemoteEngine(config) if config.vllm_urls else OrpheusEngine(config)
         return cls(config, engine, tokenizer, decoder)
 
@@ -225,9 +236,8 @@ class Synthesizer:
         Generation runs here; decoding runs beside it in `_decode`, one round in flight at a time.
         """
         parser = AudioTokenParser()
-        windower = _windower(self.config)
-        arrived, ended = asyncio.Event(), asyncio.Event()
-        decoding = asyncio.create_task(self._decode(windower, arrived, ended, index, sentence, stats, chunks))
+        feed = self._sentence_feed(index, sentence, stats, chunks)
+        decoding = feed.task
         try:
             prompt = build_prompt(self.tokenizer, voice, sentence)
             if self.config.max_tokens_per_char > 0:
@@ -246,17 +256,14 @@ class Synthesizer:
                     stats.tokens += len(token_ids)
                     frames = parser.feed(token_ids)
                     if frames:
-                        if windower.received == 0 and stats.first_audio_at is None and \
-                                self._next_frames_in_time(tokens, now - first_token_at):
-                            windower.start_early()
-                        windower.push(frames)
-                        arrived.set()
+                        early = feed.received == 0 and stats.first_audio_at is None and \
+                            self._next_frames_in_time(tokens, now - first_token_at)
+                        feed.push(frames, early)
                     if decoding.done():  # a decode failed: stop generating (awaiting it below raises the error)
                         break
             generated.set()
             parser.finish()
-            ended.set()
-            arrived.set()
+            feed.end()
             await decoding
         except BaseException as exc:
             generated.set()
@@ -268,6 +275,7 @@ class Synthesizer:
                 chunks.put_nowait(exc)
             raise
         finally:
+            feed.release()
             stats.frames += parser.stats.frames
             stats.ignored_ids += parser.stats.ignored_ids
             stats.dropped_tokens += parser.stats.dropped_tokens
@@ -306,6 +314,29 @@ class Synthesizer:
             for i, samples in enumerate(pcm):
                 first = self._put(chunks, samples, index, sentence, first, stats, last=last and i == len(pcm) - 1)
 
+    async def _decode_stream(self, stream: DecodeStream, index: int, sentence: str, stats: UtteranceStats,
+                             chunks: asyncio.Queue[Any]) -> None:
+        """One sentence's audio from the exact streaming decoder into `chunks`, in order, as it comes."""
+        first = True
+        while (item := await stream.chunks.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            pcm, last = item
+            first = self._put(chunks, pcm, index, sentence, first, stats, last=last)
+
+    def _sentence_feed(self, index: int, sentence: str, stats: UtteranceStats,
+                       chunks: asyncio.Queue[Any]) -> _WindowFeed | _StreamFeed:
+        """Where this sentence's frames go: the exact streaming decoder, or sliding windows (the shared SNAC
+        process of `serve --workers` decodes windows)."""
+        if self.streams is not None:
+            stream = self.streams.open(lambda: self._lead_s(stats))
+            task = asyncio.create_task(self._decode_stream(stream, index, sentence, stats, chunks))
+            return _StreamFeed(self.streams, stream, task, stats)
+        windower = _windower(self.config)
+        arrived, ended = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(self._decode(windower, arrived, ended, index, sentence, stats, chunks))
+        return _WindowFeed(windower, arrived, ended, task)
+
     def _next_frames_in_time(self, tokens: int, since_first_token_s: float) -> bool:
         """Early start: at this token rate, do the tokens the second frame's window needs (that frame and its
         lookahead) arrive within `decode_fast_start_ms`? The first frame plays 85 ms, so then the second is
@@ -338,7 +369,7 @@ class Synthesizer:
         if stats.first_audio_at is None:
             stats.first_audio_at = time.monotonic()
         stats.samples += len(pcm)
-        chunks.put_nowait(AudioChunk(pcm, index, sentence, first))
+        chunks.put_nowait(AudioChunk(pcm, index, sentence, first, last))
         return False
 
 
@@ -352,6 +383,72 @@ def require_checkpoints(config: GatewayConfig) -> None:
         require_checkpoint(config.model, "model (its tokenizer)", "--model or --tokenizer")
     if not config.snac_socket:
         require_checkpoint(config.snac_model, "SNAC codec", "--snac-model")
+
+
+@dataclass
+class _WindowFeed:
+    """A sentence's frames into sliding decode windows (`_decode` takes them in rounds)."""
+
+    windower: StreamWindower
+    arrived: asyncio.Event
+    ended: asyncio.Event
+    task: asyncio.Task[None]
+
+    @property
+    def received(self) -> int:
+        return self.windower.received
+
+    def push(self, frames: list[Frame], early: bool) -> None:
+        if early:
+            self.windower.start_early()
+        self.windower.push(frames)
+        self.arrived.set()
+
+    def end(self) -> None:
+        self.ended.set()
+        self.arrived.set()
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass
+class _StreamFeed:
+    """A sentence's frames into the exact streaming decoder."""
+
+    decoder: StreamDecoder
+    stream: DecodeStream
+    task: asyncio.Task[None]
+    stats: UtteranceStats
+    received: int = 0
+
+    def push(self, frames: list[Frame], early: bool) -> None:
+        if self.received == 0:
+            # Fast tokens: the first chunk is one frame, out once two are here; else two, once three are.
+            self.stream.first_frames = 1 if early else 2
+            if self.stats.first_window_at is None:
+                self.stats.first_window_at = time.monotonic()
+        self.received += len(frames)
+        self.decoder.push(self.stream, frames)
+
+    def end(self) -> None:
+        self.decoder.finish(self.stream)
+
+    def release(self) -> None:
+        self.decoder.release(self.stream)
+
+
+def uses_stream_decoder(config: GatewayConfig) -> bool:
+    """The exact streaming decoder runs in this process unless windows are asked for or a shared SNAC process
+    decodes (`--snac-socket`: it serves windows)."""
+    return config.snac_decoder == "stream" and not config.snac_socket
+
+
+def _stream_decoder(config: GatewayConfig) -> StreamDecoder:
+    snac = StreamingSnac.load(config.snac_model, config.snac_device, config.snac_dtype,
+                              max_streams=config.max_num_seqs * config.data_parallel_size + STREAM_SLOT_SPARE,
+                              capture_graphs=config.snac_cuda_graphs, max_batch=config.decode_max_batch)
+    return StreamDecoder(snac, config.decode_max_batch)
 
 
 def _code_decoder(config: GatewayConfig) -> CodeDecoder:
