@@ -82,10 +82,9 @@ def use_compiled_snake() -> None:
     """Replace snac's Snake (several elementwise kernels, each a full pass over memory) by one Inductor kernel,
     in snac itself (the windows decoder) and in the streaming decoder. Dynamic shapes: one compile for all."""
     import snac.layers
+    import torch._dynamo
 
     import gateway.speech.snac_stream as stream
-
-    import torch._dynamo
 
     # One graph per (dtype, batch 1 or more, channel count) at most: a few dozen small compiles.
     torch._dynamo.config.recompile_limit = 256

@@ -55,7 +55,8 @@ WORKER_INDEX_ENV = "ORPHEUS_GATEWAY_WORKER_INDEX"
 WORKER_SOCKETS_ENV = "ORPHEUS_GATEWAY_WORKER_SOCKETS"  # folder of the workers' Unix sockets
 WORKER_HEADER = "X-Gateway-Worker"  # which worker answered (operations, tests)
 FORWARDED_HEADER = "X-Gateway-Forwarded-By"  # the worker that passed the request on to the owner
-SESSION_PATH = re.compile(r"^/v1/webrtc/sessions/(w(\d+)-[0-9a-f]+)$")
+# A request about one session (the JSON route's DELETE, WHEP's DELETE/PATCH): its id names the owning worker.
+SESSION_PATH = re.compile(r"^/.*/(w(\d+)-[0-9a-f]+)$")
 RESTART_DELAY_S = 1.0  # before restarting a process that exited
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
