@@ -58,6 +58,24 @@ def voices_for_model(model: str) -> list[str]:
     return list(ENGLISH_VOICES)
 
 
+# The language each voice was trained to speak, as espeak-ng names it (visemes, word timings).
+_VOICE_LANGUAGES: dict[str, str] = {
+    **{voice: "en-us" for voice in ENGLISH_VOICES},
+    **{voice: "fr-fr" for voice in MULTILINGUAL_VOICES["fr"]},
+    **{voice: "de" for voice in MULTILINGUAL_VOICES["de"]},
+    **{voice: "ko" for voice in MULTILINGUAL_VOICES["ko"]},
+    **{voice: "hi" for voice in MULTILINGUAL_VOICES["hi"]},
+    **{voice: "cmn" for voice in MULTILINGUAL_VOICES["zh"]},
+    **dict.fromkeys(("javi", "sergio", "maria"), "es"),
+    **dict.fromkeys(("pietro", "giulia", "carlo"), "it"),
+}
+
+
+def language_for_voice(voice: str) -> str:
+    """The language a voice speaks (espeak-ng name); en-us for a voice we do not know."""
+    return _VOICE_LANGUAGES.get(voice, "en-us")
+
+
 class TextTokenizer(Protocol):
     bos_token_id: int | None
 

@@ -382,3 +382,18 @@ class VllmServer:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
+
+
+
+# Headless Chromium for browser tests (Debian's package; install.sh installs it). tests/test_web.py keeps its own
+# copy of these flags. Autoplay without a gesture, fake media devices, and no --mute-audio (pass
+# ignore_default_args=["--mute-audio"]): otherwise getStats() counts no samples played out.
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+
+CHROMIUM_ARGS = [
+    "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]

@@ -76,7 +76,9 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
     assert summary["ttfa_ms"]["min"] > 0
     assert set(summary["playback"]) == {"0", "500"}
     for request in point["requests"]:
-        assert request["audio_s"] > 0 and request["ttfa_ms"] > 0 and request["max_gap_ms"] is not None
+        assert request["audio_s"] > 0 and request["ttfa_ms"] > 0
+        # Gaps need two chunks: a short phrase the exact decoder finishes before its first chunk comes as one.
+        assert request["max_gap_ms"] is not None or request["chunks"] == 1
         assert set(request["playback"]) == {"0", "500"}
         if level in ("engine", "vllm"):
             assert 0 < request["ttft_ms"] <= request["ttfa_ms"]

@@ -24,8 +24,8 @@ def test_schema_files_are_generated_from_the_types(path: Path) -> None:
 def test_docs_show_every_message() -> None:
     doc = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
     schema = protocol.protocol_schema()["$defs"]
-    for name in ("Speak", "Cancel", "Ping", "Ready", "Queued", "Started", "Segment", "Done", "Cancelled", "Pong",
-                 "Error", "Offer", "Answer"):
+    for name in ("Speak", "Cancel", "Ping", "Repeat", "Played", "Ready", "Queued", "Started", "Segment", "Words",
+                 "Visemes", "Done", "Cancelled", "Pong", "Error", "Offer", "Answer"):
         assert name in schema
         assert f"`{name.lower()}`" in doc or f"`{name}`" in doc, f"docs/protocol.md does not mention {name}"
 
@@ -37,6 +37,12 @@ def test_docs_show_every_message() -> None:
     ('{"type": "cancel"}', protocol.Cancel()),
     ('{"type": "cancel", "id": "u1"}', protocol.Cancel(id="u1")),
     ('{"type": "ping", "t": 12.5}', protocol.Ping(t=12.5)),
+    ('{"type": "speak", "id": "u1", "text": "Devagar.", "rate": 0.7}',
+     protocol.Speak(id="u1", text="Devagar.", rate=0.7)),
+    ('{"type": "repeat", "id": "u1"}', protocol.Repeat(id="u1")),
+    ('{"type": "repeat", "id": "u1", "new_id": "u1-slow", "from_word": 0, "to_word": 2, "rate": 0.5}',
+     protocol.Repeat(id="u1", new_id="u1-slow", from_word=0, to_word=2, rate=0.5)),
+    ('{"type": "played", "id": "u1", "played_ms": 1520}', protocol.Played(id="u1", played_ms=1520)),
 ])
 def test_client_messages_parse_into_their_types(raw: str, message: object) -> None:
     parsed = parse_client_message(raw)
@@ -76,7 +82,15 @@ def test_events_encode_as_the_schema_says() -> None:
         protocol.Started(id="u1", ttfa_ms=41.5, ttft_ms=20.0, ttfw_ms=None),
         protocol.Segment(id="u1", index=0, text="Olá, tudo bem?"),
         protocol.Done(id="u1", audio_ms=1200.0, underruns=0, underrun_ms=0.0),
+        protocol.Done(id="u1", audio_ms=1200.0, underruns=0, underrun_ms=0.0, played_ms=1200.0, heard_text="Olá",
+                      last_word=0),
         protocol.Cancelled(id="u1"),
+        protocol.Cancelled(id="u1", played_ms=640.0, heard_text="Olá, tudo", last_word=1),
+        protocol.Queued(id="u1#r1", position=0, repeat_of="u1"),
+        protocol.Words(id="u1", index=0, start_ms=0, rtp_timestamp=4294967000, source="aligned", first_word=0,
+                       words=[protocol.Word(text="Olá", char_start=0, char_end=3, start_ms=40, duration_ms=300)]),
+        protocol.Visemes(id="u1", index=0, start_ms=0, rtp_timestamp=None,
+                         visemes=[protocol.Viseme(viseme="O", start_ms=40, duration_ms=100, word=0)]),
         protocol.Pong(t="a"),
         protocol.Error(code="queue_full", message="too many", id="u1"),
         protocol.Error(code="rate_limited", message="slow down", retry_after_s=2),

@@ -33,6 +33,15 @@ async def error_of(resp) -> dict:  # type: ignore[no-untyped-def]
     return body["error"]
 
 
+async def speech_error_of(resp) -> dict:  # type: ignore[no-untyped-def]
+    """The speech route's errors are OpenAI's shape, with the gateway's own `code`."""
+    assert resp.content_type == "application/json"
+    body = await resp.json()
+    assert set(body["error"]) == {"code", "message", "type", "param"}
+    assert body["error"]["type"] == ("invalid_request_error" if resp.status < 500 else "server_error")
+    return body["error"]
+
+
 async def test_health_and_ready(client: TestClient) -> None:
     assert (await client.get("/healthz")).status == 200
     resp = await client.get("/readyz")
@@ -98,8 +107,13 @@ async def test_client_disconnect_aborts_request(client: TestClient, synthesizer:
         (json.dumps({"input": 5}).encode(), 400, "invalid_text"),
         (json.dumps({"input": "hi", "voice": "nobody"}).encode(), 400, "unknown_voice"),
         (json.dumps({"input": "hi", "voice": 3}).encode(), 400, "invalid_voice"),
-        (json.dumps({"input": "hi", "response_format": "mp3"}).encode(), 400, "invalid_response_format"),
+        (json.dumps({"input": "hi", "response_format": "ogg"}).encode(), 400, "invalid_response_format"),
         (json.dumps({"input": "hi", "speed": "fast"}).encode(), 400, "invalid_speed"),
+        (json.dumps({"input": "hi", "speed": 4.5}).encode(), 400, "invalid_speed"),
+        (json.dumps({"input": "hi", "speed": 0.2}).encode(), 400, "invalid_speed"),
+        (json.dumps({"input": "hi", "stream_format": "chunks"}).encode(), 400, "invalid_stream_format"),
+        (json.dumps({"input": "hi", "seed": 1.5}).encode(), 400, "invalid_seed"),
+        (json.dumps({"input": "hi", "instructions": 7}).encode(), 400, "invalid_instructions"),
         (json.dumps({"input": "x" * 5000}).encode(), 400, "text_too_long"),
         (json.dumps({"input": "x" * 70000}).encode(), 413, "body_too_large"),
         (b"\xff\xfe\x00garbage", 400, "invalid_json"),
@@ -108,7 +122,7 @@ async def test_client_disconnect_aborts_request(client: TestClient, synthesizer:
 async def test_speech_bad_bodies(client: TestClient, body: bytes, status: int, code: str) -> None:
     resp = await client.post("/v1/audio/speech", data=body, headers={"Content-Type": "application/json"})
     assert resp.status == status
-    assert (await error_of(resp))["code"] == code
+    assert (await speech_error_of(resp))["code"] == code
 
 
 async def test_unknown_route_and_method_are_json(client: TestClient) -> None:

@@ -158,6 +158,43 @@ async def test_lesson_phrase_plays_moves_the_mouth_and_shows_stats(page: Any) ->
         "the page's jitter-buffer bound is the protocol's"
 
 
+async def test_karaoke_follows_the_heard_word_visemes_move_the_mouth_and_slower_repeats(page: Any) -> None:
+    # A buffer longer than the phrase: each sentence's audio is complete before it plays, so its timings arrive
+    # with its first audio (the CPU engine here runs slower than real time; with 0 ms they come as it ends).
+    await connect(page, jitter_ms=4000)
+    phrase = page.locator(".phrase").nth(1)  # English, 5 words
+    await phrase.click()
+    await page.wait_for_selector("#caption .word.current", timeout=SPEECH_S * 1000)
+    # The highlight advances through the words as they are heard, never backwards.
+    await page.wait_for_function("new Set(window.__app.karaokeTrail.map(([, w]) => w).filter((w) => w >= 0)).size >= 2",
+                                 timeout=SPEECH_S * 1000)
+    assert await page.evaluate("window.__app.rtpNow()") is not None, "Chromium maps RTP time onto its playout"
+    await page.wait_for_function("window.__avatar.visemeFrames > 0", timeout=SPEECH_S * 1000)
+    assert await page.evaluate("window.__avatar.maxMouth") > 0
+    shown = await page.evaluate("[...window.__avatar.visemesShown]")
+    assert shown and all(v in ("PP", "FF", "TH", "DD", "kk", "CH", "SS", "nn", "RR", "aa", "E", "I", "O", "U")
+                         for v in shown), shown
+    await page.wait_for_selector('#now[data-kind="done"]', timeout=SPEECH_S * 1000)
+    trail = await page.evaluate("window.__app.karaokeTrail")
+    first = trail[0][0]
+    indices = [w for uid, w in trail if uid == first and w >= 0]
+    assert indices == sorted(indices), trail
+    assert await phrase.locator(".text .word").count() == 5, "the phrase is rendered word by word"
+
+    # "Slower": the same recording again at 0.7 (a `repeat`), highlighted word by word too.
+    await page.locator(".slower").nth(1).click()
+    await page.wait_for_function("(first) => window.__app.karaokeTrail.some(([uid, w]) => uid !== first && w >= 0)",
+                                 arg=first, timeout=SPEECH_S * 1000)
+    await page.wait_for_function("window.__app.playedReports.length >= 1", timeout=10_000)
+    wire = await page.evaluate("window.__app.connection.wire")
+    repeats = [r["message"] for r in wire if r["message"]["type"] == "repeat"]
+    assert repeats and repeats[0]["id"] == first and repeats[0]["rate"] == 0.7, repeats
+    for record in wire:
+        schema = {"offer": "offer", "sent": "client_message", "received": "server_event"}[record["direction"]]
+        assert_valid(schema, record["message"])
+    assert {"words", "visemes", "played"} <= {r["message"]["type"] for r in wire}
+
+
 async def test_stop_cancels_a_long_text_and_disconnect_ends_the_session(page: Any, server: TestServer) -> None:
     await connect(page)
     await page.fill("#text", LONG_TEXT)
@@ -293,6 +330,9 @@ async def test_phone_width_has_no_horizontal_scroll(browser: Any, base_url: str)
     try:
         await connect(page)
         assert await page.is_visible("#jitter"), "the settings (the widest controls) are open"
+        await page.locator(".phrase").first.click()  # karaoke on a phone: the caption under the face
+        await page.wait_for_selector("#caption .word.current", timeout=SPEECH_S * 1000)
+        assert await page.is_visible("#caption .word.current")
         scroll_width = await page.evaluate("document.documentElement.scrollWidth")
         assert scroll_width <= 375, f"the page is {scroll_width} px wide on a 375 px screen"
         ARTIFACTS.mkdir(exist_ok=True)

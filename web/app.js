@@ -1,21 +1,25 @@
 // The lesson page: wires the buttons to a TutorConnection, the remote audio to the <audio> element and
-// the avatar, and the server's events to the phrase highlight, the status line and the live panel.
+// the avatar, and the server's events to the phrase highlight, the karaoke (the word being heard), the
+// avatar's visemes, the status line and the live panel.
 
 import { Avatar } from './avatar.js';
 import { TutorConnection } from './connection.js';
-import { renderPhrases } from './lesson.js';
+import { SpokenUtterance, heardRtp, highlightWord, renderWords } from './karaoke.js';
+import { SLOW_RATE, renderPhrases } from './lesson.js';
 import { connectErrorMessage, eventErrorMessage } from './messages.js';
 import { jitterBufferMaxMs, loadProtocolSchema } from './protocol.js';
 import { inboundAudio, summarize } from './stats.js';
 
 const MAX_LOG_LINES = 60;
 const STATS_INTERVAL_MS = 1000;
+const PLAYED_REPORT_DELAY_MS = 300; // the end of an utterance is heard a little after the server sent it
 
 const $ = (id) => document.getElementById(id);
 const ui = {
   connect: $('connect'), disconnect: $('disconnect'), speak: $('speak'), stop: $('stop'),
   text: $('text'), voice: $('voice'), jitter: $('jitter'), interrupt: $('interrupt'),
   phrases: $('phrases'), now: $('now'), error: $('error'), log: $('log'), audio: $('remote-audio'),
+  caption: $('caption'),
   state: $('stat-state'), ttfa: $('stat-ttfa'), underruns: $('stat-underruns'), rtt: $('stat-rtt'),
   jb: $('stat-jb'), packets: $('stat-packets'), lost: $('stat-lost'), concealed: $('stat-concealed'),
 };
@@ -27,7 +31,12 @@ let statsTimer = null;
 let lastStats = null;
 let counter = 0;
 let peerState = 'new'; // RTCPeerConnection.connectionState, shown beside the page's own state
-const utterances = new Map(); // id -> {text, button?}: what we asked for and still expect events about
+// id -> {text, button?, phrase?, rate, repeatOf?, spoken}: what we asked for and still expect events about
+const utterances = new Map();
+let current = null; // {spoken, targets, word}: the utterance being heard (karaoke and visemes follow it)
+let karaokeFrame = null;
+const karaokeTrail = []; // [utterance id, word index] each time the highlighted word changed (tests)
+const playedReports = []; // what this page told the server it played (tests)
 
 // --- small view helpers ------------------------------------------------------------------------------
 
@@ -162,6 +171,7 @@ function teardown() {
   statsTimer = null;
   avatar.detach();
   ui.audio.srcObject = null;
+  stopKaraoke();
   for (const id of utterances.keys()) finish(id);
   setState('disconnected');
   setNow('Not connected. Press “Connect” to try again.');
@@ -169,17 +179,86 @@ function teardown() {
 
 // --- speaking --------------------------------------------------------------------------------------
 
-function speak(text, button) {
+function speak(text, button, { rate = 1, phrase = null } = {}) {
   if (!connection?.isOpen) {
     showError('Not connected yet: press Connect first.');
     return;
   }
   clearError();
   const id = `u${++counter}`;
-  utterances.set(id, { text, button });
+  utterances.set(id, { text, button, phrase, rate, spoken: new SpokenUtterance(id, text) });
   button?.classList.add('waiting');
-  connection.speak(id, text, { voice: ui.voice.value, interrupt: ui.interrupt.checked });
-  log(`Asked to say “${shorten(text)}” (${id})`);
+  connection.speak(id, text, { voice: ui.voice.value, interrupt: ui.interrupt.checked, rate });
+  log(`Asked to say “${shorten(text)}”${rate === 1 ? '' : ` at ${rate}×`} (${id})`);
+}
+
+// "Slower": the phrase's last recording played again slowly (no new synthesis), or said slowly if there is none.
+function slower(phrase, button) {
+  if (!phrase.lastId) {
+    speak(phrase.text, button, { rate: SLOW_RATE, phrase });
+    return;
+  }
+  if (!connection?.isOpen) {
+    showError('Not connected yet: press Connect first.');
+    return;
+  }
+  clearError();
+  const id = `u${++counter}`;
+  const { text } = phrase;
+  utterances.set(id, { text, button, phrase, rate: SLOW_RATE, repeatOf: phrase.lastId,
+                       spoken: new SpokenUtterance(id, text) });
+  button.classList.add('waiting');
+  connection.repeat(phrase.lastId, id, { rate: SLOW_RATE, interrupt: ui.interrupt.checked });
+  log(`Asked to repeat “${shorten(text)}” at ${SLOW_RATE}× (${id})`);
+}
+
+// --- karaoke and visemes ---------------------------------------------------------------------------
+
+function audioReceiver() {
+  return connection?.pc?.getReceivers().find((receiver) => receiver.track?.kind === 'audio') ?? null;
+}
+
+function rtpNow() {
+  return heardRtp(audioReceiver(), audioContext?.outputLatency ?? 0);
+}
+
+// Show `entry` in the caption (and its phrase button), word by word as its timings arrive.
+function showKaraoke(entry) {
+  const targets = [ui.caption, entry.button?.querySelector('.text')].filter(Boolean);
+  current = { spoken: entry.spoken, targets, word: -1 };
+  for (const element of targets) renderWords(element, entry.text, entry.spoken.words);
+  ui.caption.hidden = false;
+  karaokeFrame ??= requestAnimationFrame(animateKaraoke);
+}
+
+function animateKaraoke() {
+  karaokeFrame = null;
+  if (!current) return;
+  const rtp = rtpNow();
+  const word = current.spoken.wordAt(rtp);
+  if (word !== current.word) {
+    current.word = word;
+    for (const element of current.targets) highlightWord(element, word);
+    karaokeTrail.push([current.spoken.id, word]);
+  }
+  avatar.viseme = current.spoken.visemeAt(rtp);
+  karaokeFrame = requestAnimationFrame(animateKaraoke);
+}
+
+function stopKaraoke() {
+  cancelAnimationFrame(karaokeFrame);
+  karaokeFrame = null;
+  for (const element of current?.targets ?? []) highlightWord(element, -1);
+  current = null;
+  avatar.viseme = null;
+}
+
+// The page's own playout of an utterance, told to the server (a metric) once its end has been heard.
+function reportPlayed(entry, id, capMs) {
+  setTimeout(() => {
+    const playedMs = Math.min(capMs, entry.spoken.playedMs(rtpNow()));
+    if (connection?.played(id, playedMs)) playedReports.push({ id, played_ms: Math.round(playedMs) });
+  }, PLAYED_REPORT_DELAY_MS);
 }
 
 function finish(id) {
@@ -203,34 +282,65 @@ function onMessage(msg) {
     case 'started': {
       const entry = utterances.get(msg.id);
       entry?.button?.classList.replace('waiting', 'playing');
+      if (entry) {
+        entry.spoken.started(msg);
+        showKaraoke(entry);
+      }
       ui.ttfa.textContent = msg.ttfa_ms == null ? '–' : `${Math.round(msg.ttfa_ms)} ms`;
       setNow(`Speaking: “${shorten(entry?.text ?? '…', 80)}”`, 'speaking');
       log(`${msg.id} started after ${Math.round(msg.ttfa_ms ?? 0)} ms.`);
       break;
     }
     case 'segment':
+      utterances.get(msg.id)?.spoken.segment(msg);
       if (msg.index > 0) setNow(`Speaking: “${shorten(msg.text, 80)}”`, 'speaking');
       break;
+    case 'words': {
+      const entry = utterances.get(msg.id);
+      if (!entry) break;
+      entry.spoken.addWords(msg);
+      if (current?.spoken === entry.spoken) {
+        for (const element of current.targets) renderWords(element, entry.text, entry.spoken.words);
+        current.word = -2; // re-applied on the next frame
+      }
+      break;
+    }
+    case 'visemes':
+      utterances.get(msg.id)?.spoken.addVisemes(msg);
+      break;
     case 'done': {
-      finish(msg.id);
+      const entry = finish(msg.id);
+      if (entry) {
+        reportPlayed(entry, msg.id, msg.audio_ms);
+        if (entry.phrase && !entry.repeatOf) entry.phrase.lastId = msg.id; // now recorded on the server
+      }
       ui.underruns.textContent = `${msg.underruns} (${Math.round(msg.underrun_ms)} ms)`;
       if (utterances.size === 0) setNow(`Finished (${(msg.audio_ms / 1000).toFixed(1)} s). Now you try!`, 'done');
       log(`${msg.id} done: ${msg.audio_ms} ms of audio, ${msg.underruns} underrun(s).`);
       break;
     }
-    case 'cancelled':
-      finish(msg.id);
+    case 'cancelled': {
+      const entry = finish(msg.id);
+      if (entry && current?.spoken === entry.spoken) stopKaraoke();
+      if (entry?.spoken.startedAt != null) reportPlayed(entry, msg.id, msg.played_ms);
       if (utterances.size === 0) setNow('Stopped.', 'cancelled');
-      log(`${msg.id} cancelled.`);
+      log(`${msg.id} cancelled${msg.heard_text ? ` after “${shorten(msg.heard_text)}”` : ''}.`);
       break;
+    }
     case 'pong':
       if (msg.rtt_ms != null) ui.rtt.textContent = `${msg.rtt_ms.toFixed(0)} ms`;
       break;
-    case 'error':
-      if (msg.id) finish(msg.id);
+    case 'error': {
+      const entry = msg.id ? finish(msg.id) : null;
+      if (entry?.repeatOf && msg.code === 'unknown_id') { // the server no longer has it: say it slowly instead
+        entry.phrase.lastId = null;
+        speak(entry.text, entry.button, { rate: entry.rate, phrase: entry.phrase });
+        break;
+      }
       showError(eventErrorMessage(msg));
       if (utterances.size === 0 && ui.now.dataset.kind === 'speaking') setNow('Stopped.', 'cancelled');
       break;
+    }
     default:
       break; // newer servers may send more; ignore what we do not know
   }
@@ -263,7 +373,7 @@ async function loadVoices() {
   }
 }
 
-renderPhrases(ui.phrases, (phrase, button) => speak(phrase.text, button));
+renderPhrases(ui.phrases, (phrase, button) => speak(phrase.text, button, { phrase }), slower);
 ui.connect.addEventListener('click', connect);
 ui.disconnect.addEventListener('click', disconnect);
 ui.speak.addEventListener('click', () => {
@@ -294,5 +404,9 @@ window.__app = {
   get connection() { return connection; },
   get pc() { return connection?.pc ?? null; },
   get lastStats() { return lastStats; },
+  get karaoke() { return current; },
+  karaokeTrail,
+  playedReports,
+  rtpNow,
   speak,
 };

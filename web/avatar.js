@@ -1,17 +1,30 @@
-// The tutor's mouth follows the loudness of the incoming speech: an AnalyserNode on the remote stream,
-// read once per animation frame. The analyser is not connected to the speakers; the <audio> element plays.
+// The tutor's mouth: shaped by the viseme being heard when the server sent visemes (set `viseme` each frame),
+// else following the loudness of the incoming speech: an AnalyserNode on the remote stream, read once per
+// animation frame. The analyser is not connected to the speakers; the <audio> element plays.
 
 const QUIET_DB = -50; // at or below: mouth closed
 const LOUD_DB = -18; // at or above: mouth fully open
 const ATTACK = 0.6; // opening follows quickly...
 const RELEASE = 0.25; // ...closing a little slower, so the mouth does not flicker
+const VISEME_FOLLOW = 0.55; // visemes change every ~60 ms: follow fast, but not in one frame
+
+// Oculus-15 visemes as mouth shapes: how open (0..1) and how wide (-1 rounded .. 1 spread).
+export const VISEME_SHAPES = {
+  sil: [0, 0], PP: [0.02, 0], FF: [0.15, 0.2], TH: [0.22, 0.1], DD: [0.3, 0.2], kk: [0.35, 0.1],
+  CH: [0.3, -0.5], SS: [0.15, 0.6], nn: [0.25, 0.2], RR: [0.3, -0.4], aa: [0.9, 0.2], E: [0.6, 0.6],
+  I: [0.4, 0.8], O: [0.7, -0.7], U: [0.35, -0.9],
+};
 
 export class Avatar {
   constructor(svg, mouth) {
     this.svg = svg;
     this.mouthPath = mouth;
     this.mouth = 0; // current openness, 0..1
+    this.width = 0; // current spread, -1 (rounded) .. 1
     this.maxMouth = 0; // largest openness seen (for tests and curiosity)
+    this.viseme = null; // the viseme heard now (set by the page each frame), null: follow the loudness
+    this.visemeFrames = 0; // frames drawn from a viseme (for tests)
+    this.visemesShown = new Set(); // which visemes were drawn (for tests)
     this._analyser = null;
     this._source = null;
     this._samples = null;
@@ -35,6 +48,8 @@ export class Avatar {
     this._source?.disconnect();
     this._source = this._analyser = null;
     this.mouth = 0;
+    this.width = 0;
+    this.viseme = null;
     this._draw(0);
   }
 
@@ -49,19 +64,31 @@ export class Avatar {
 
   _tick() {
     if (!this._analyser) return;
-    const target = this._level();
-    this.mouth += (target - this.mouth) * (target > this.mouth ? ATTACK : RELEASE);
+    const shape = this.viseme ? VISEME_SHAPES[this.viseme] : null;
+    if (shape) {
+      // The loudness still scales the shape a little, so a quiet syllable is not drawn wide open.
+      const level = 0.6 + 0.4 * this._level();
+      this.mouth += (shape[0] * level - this.mouth) * VISEME_FOLLOW;
+      this.width += (shape[1] - this.width) * VISEME_FOLLOW;
+      this.visemeFrames += 1;
+      this.visemesShown.add(this.viseme);
+    } else {
+      const target = this._level();
+      this.mouth += (target - this.mouth) * (target > this.mouth ? ATTACK : RELEASE);
+      this.width += (0 - this.width) * RELEASE;
+    }
     if (this.mouth < 0.005) this.mouth = 0;
     this.maxMouth = Math.max(this.maxMouth, this.mouth);
-    this._draw(this.mouth);
+    this._draw(this.mouth, this.width);
     this._frame = requestAnimationFrame(() => this._tick());
   }
 
-  // A smile that opens: the upper lip barely moves, the lower lip drops with the level.
-  _draw(open) {
+  // A smile that opens: the upper lip barely moves, the lower lip drops with the level; a wide viseme pulls
+  // the corners out, a rounded one in.
+  _draw(open, width = 0) {
     const upper = 144 - open * 6;
     const lower = 148 + open * 34;
-    const corner = 80 + open * 4; // corners come in a little as the mouth opens
+    const corner = 80 + open * 4 - width * 6; // corners come in a little as the mouth opens
     this.mouthPath.setAttribute('d',
       `M${corner} 140 Q100 ${upper} ${200 - corner} 140 Q100 ${lower} ${corner} 140 Z`);
     this.svg.dataset.mouth = open.toFixed(3);

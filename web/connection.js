@@ -1,5 +1,5 @@
 // One WebRTC session with the gateway: a non-trickle offer/answer over HTTP, then the `control`
-// data channel for speak/cancel/ping. Emits: `track` {stream}, `message` {msg}, `state` {state}, `closed`.
+// data channel for speak/repeat/cancel/played/ping. Emits: `track` {stream}, `message` {msg}, `state` {state}, `closed`.
 
 const PING_INTERVAL_MS = 2000; // the gateway treats these pings as a heartbeat
 const MAX_WIRE_RECORDS = 200;
@@ -135,10 +135,25 @@ export class TutorConnection extends EventTarget {
     return true;
   }
 
-  speak(id, text, { voice, interrupt = false } = {}) {
+  speak(id, text, { voice, interrupt = false, rate = 1 } = {}) {
     const message = { type: 'speak', id, text, interrupt };
     if (voice) message.voice = voice;
+    if (rate !== 1) message.rate = rate;
     return this.send(message);
+  }
+
+  /** Play (words `fromWord`..`toWord` of) utterance `id` again as `newId`, from the server's recording. */
+  repeat(id, newId, { fromWord, toWord, rate = 1, interrupt = false } = {}) {
+    const message = { type: 'repeat', id, new_id: newId, interrupt };
+    if (fromWord != null) message.from_word = fromWord;
+    if (toWord != null) message.to_word = toWord;
+    if (rate !== 1) message.rate = rate;
+    return this.send(message);
+  }
+
+  /** Tell the server how much of an utterance this page played (its own playout, for the server's metrics). */
+  played(id, playedMs) {
+    return this.send({ type: 'played', id, played_ms: Math.max(0, Math.round(playedMs)) });
   }
 
   /** Cancel one utterance, or (no id) the current one and everything queued. */

@@ -1,5 +1,6 @@
 // Lesson phrases: Portuguese with its English meaning, and English with its Portuguese meaning.
-// Each is a button; the one being spoken carries the class `playing`.
+// Each is a button (the one being spoken carries the class `playing`, its words are highlighted as they are
+// heard) with a "slower" button beside it that plays it again at a slow rate.
 
 export const PHRASES = [
   { lang: 'pt', text: 'Bom dia! Como você está?', meaning: 'Good morning! How are you?' },
@@ -12,8 +13,10 @@ export const PHRASES = [
 
 const LANGUAGE_NAMES = { pt: 'Português', en: 'English' };
 
-/** Fill `list` with one button per phrase; `onPick(phrase, button)` is called on click. */
-export function renderPhrases(list, onPick) {
+export const SLOW_RATE = 0.7;
+
+/** Fill `list` with one button per phrase; `onPick(phrase, button)` / `onSlower(phrase, button)` on click. */
+export function renderPhrases(list, onPick, onSlower) {
   list.replaceChildren(...PHRASES.map((phrase, index) => {
     const button = document.createElement('button');
     button.type = 'button';
@@ -35,8 +38,16 @@ export function renderPhrases(list, onPick) {
     words.append(text, meaning);
     button.append(tag, words);
     button.addEventListener('click', () => onPick(phrase, button));
+    const slower = document.createElement('button');
+    slower.type = 'button';
+    slower.className = 'slower';
+    slower.textContent = 'Slower';
+    slower.title = `Repeat slowly (${SLOW_RATE}×)`;
+    slower.setAttribute('aria-label', `Repeat slowly: ${phrase.text}`);
+    slower.addEventListener('click', () => onSlower(phrase, button));
     const item = document.createElement('li');
-    item.append(button);
+    item.className = 'phrase-row';
+    item.append(button, slower);
     return item;
   }));
 }

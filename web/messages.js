@@ -33,6 +33,8 @@ export function eventErrorMessage({ code, message }) {
     case 'idle_timeout': return 'The lesson was closed after a long pause. Press Connect to continue.';
     case 'heartbeat_timeout': return 'The connection to the tutor was lost. Press Connect to continue.';
     case 'session_time_limit': return 'This lesson reached its time limit. Press Connect to start a new one.';
+    case 'invalid_rate': return `That speed is not possible: ${message}`;
+    case 'invalid_range': return `Those words are not in the phrase: ${message}`;
     case 'rate_limited': return 'That was a lot at once: please wait a second between sentences.';
     case 'at_capacity': return 'The teacher is busy (server at capacity). Please try again in a moment.';
     case 'engine_dead': return 'The tutor’s voice stopped and is restarting. Please say that again in a moment.';

@@ -39,6 +39,7 @@ class ReceivedFrame:
     at: float  # monotonic arrival time
     samples: int  # per channel
     rms: float
+    rtp_timestamp: int | None = None  # the RTP timestamp of the packet it was decoded from
 
     @property
     def audible(self) -> bool:
@@ -111,9 +112,9 @@ class HeadlessPeer:
         await self.pc.close()
 
     # --- protocol ---------------------------------------------------------------------------------
-    def send(self, message: protocol.Speak | protocol.Cancel | protocol.Ping | dict[str, Any] | str | bytes) -> None:
+    def send(self, message: protocol.ClientMessage | dict[str, Any] | str | bytes) -> None:
         """A typed message, or anything else as it is (tests of bad input)."""
-        if isinstance(message, (protocol.Speak, protocol.Cancel, protocol.Ping)):
+        if isinstance(message, (protocol.Speak, protocol.Cancel, protocol.Ping, protocol.Repeat, protocol.Played)):
             self.channel.send(protocol.encode(message))
         else:
             self.channel.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
@@ -126,6 +127,10 @@ class HeadlessPeer:
 
     def cancel(self, utterance_id: str | None = None) -> None:
         self.send(protocol.Cancel(id=utterance_id))
+
+    def repeat(self, utterance_id: str, **fields: Any) -> None:
+        """Send a repeat message (`fields`: new_id, from_word, to_word, rate, interrupt)."""
+        self.send(protocol.Repeat(id=utterance_id, **fields))
 
     def _on_message(self, raw: str | bytes) -> None:
         try:
@@ -176,6 +181,7 @@ class HeadlessPeer:
             self._audio_task = asyncio.create_task(self._receive(track))
 
     async def _receive(self, track: MediaStreamTrack) -> None:
+        receiver = next((r for r in self.pc.getReceivers() if r.track is track), None)
         while True:
             try:
                 frame = await track.recv()
@@ -184,9 +190,19 @@ class HeadlessPeer:
             samples = frame.to_ndarray()
             mono = samples.reshape(-1, len(frame.layout.channels))[:, 0] if samples.ndim > 1 else samples
             rms = float(np.sqrt(np.mean(np.square(mono.astype(np.float32))))) if mono.size else 0.0
-            self.frames.append(ReceivedFrame(time.monotonic(), frame.samples, rms))
+            self.frames.append(ReceivedFrame(time.monotonic(), frame.samples, rms, _rtp_timestamp(receiver, frame)))
             if self.keep_pcm:
                 self.pcm.append(mono.astype(np.int16))
 
     def audible_frames(self, since: float = 0.0, until: float = float("inf")) -> list[ReceivedFrame]:
         return [f for f in self.frames if f.audible and since <= f.at <= until]
+
+
+def _rtp_timestamp(receiver: Any, frame: Any) -> int | None:
+    """A decoded frame's RTP timestamp: aiortc's receiver gives frames pts counted from the first RTP timestamp it
+    saw (its private `TimestampMapper`), so the stream's own timestamp is that origin + pts."""
+    mapper = getattr(receiver, "_RTCRtpReceiver__timestamp_mapper", None)
+    origin = getattr(mapper, "_origin", None)
+    if origin is None or frame.pts is None:
+        return None
+    return (origin + frame.pts) % (1 << 32)

@@ -1,6 +1,6 @@
 """The gateway's aiohttp application: middleware (JSON errors, origin and token checks, CORS), health, readiness,
-voices, metrics and the avatar page; the speech route (`speech_api`) and WebRTC signalling (`signalling`) are
-mounted here.
+voices, metrics and the avatar page; the speech route (`speech_api`), WebRTC signalling (`signalling`) and WHEP
+(`whep`) are mounted here.
 
 Errors are JSON everywhere: `{"error": {"code": ..., "message": ...}}` with a 4xx/5xx status.
 """
@@ -19,6 +19,7 @@ from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH, SUBJECT
 from gateway.edge.signalling import add_signalling_routes
 from gateway.edge.speech_api import SPEECH_PATH, speech
 from gateway.edge.state import GatewayState
+from gateway.edge.whep import add_whep_routes
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH
 from gateway.speech.synthesizer import Synthesizer
@@ -31,9 +32,10 @@ PUBLIC_PREFIXES = ("/static/",)
 QUERY_TOKEN_PATHS = frozenset({OFFER_PATH, ICE_SERVERS_PATH})  # clients that cannot set headers: ?token= here
 BEARER_PREFIX = "bearer "
 FORWARDED_HOST_HEADER = "X-Forwarded-Host"
-CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
-CORS_ALLOW_HEADERS = "Authorization, Content-Type"
-CORS_EXPOSE_HEADERS = "Retry-After, X-Sample-Rate"
+CORS_ALLOW_METHODS = "GET, POST, DELETE, PATCH, OPTIONS"  # PATCH: a WHEP player's trickle (refused, but readably)
+CORS_ALLOW_HEADERS = "Authorization, Content-Type, If-Match"  # If-Match: WHEP's PATCH
+# Location, ETag, Link: what a WHEP player in another origin reads from the 201 (its session, the ICE servers).
+CORS_EXPOSE_HEADERS = "Retry-After, X-Sample-Rate, Location, ETag, Link"
 CORS_MAX_AGE_S = 600
 
 
@@ -134,10 +136,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 # --- the avatar page (web/) ---------------------------------------------------------------------------
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"  # the repository's web/, beside gateway/
 # Explicit types: aiohttp's guess for .js is application/javascript from the system's mime.types.
 WEB_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                     ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+                     ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml",
+                     ".json": "application/json"}
 
 
 async def web_file(request: web.Request) -> web.FileResponse:
@@ -163,6 +166,7 @@ def create_app(config: GatewayConfig, synthesizer: Synthesizer | None = None, *,
     app.router.add_get(r"/static/{name:[A-Za-z0-9_.-]+\.[a-z]+}", web_file)
     if webrtc:
         add_signalling_routes(app)
+        add_whep_routes(app, config.whep_path)  # WHEP paths are not public: with auth on, they need a token
     app.on_response_prepare.append(add_cors_headers)
     app.on_startup.append(gateway.startup)
     app.on_cleanup.append(gateway.cleanup)

@@ -1,9 +1,11 @@
 """WebRTC signalling over HTTP: the offer (`protocol.Offer` in, `protocol.Answer` out), the ICE servers a browser
-should use, and ending a session."""
+should use, and ending a session. `open_session` is the one way from an offer to a session, for this route and for
+WHEP (`gateway.edge.whep`)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -20,8 +22,10 @@ from gateway.edge.http import (
     json_error,
     read_json_object,
 )
+from gateway.edge.state import GatewayState
 from gateway.rtc import protocol
 from gateway.rtc.ice import client_id, ice_servers, uses_turn_secret
+from gateway.rtc.session import Session
 from gateway.service.admission import CapacityError
 from gateway.speech.synthesizer import InvalidRequestError, resolve_voice
 
@@ -46,16 +50,35 @@ def _offer_error(exc: msgspec.ValidationError) -> web.Response:
 async def offer(request: web.Request) -> web.Response:
     """`protocol.Offer` -> `protocol.Answer`."""
     gateway = request.app[GATEWAY_KEY]
+    body = await read_json_object(request, gateway.config.max_body_bytes)
+    opened = await open_session(gateway, body)
+    if isinstance(opened, web.Response):
+        return opened
+    answer = protocol.Answer(sdp=opened.pc.localDescription.sdp, type="answer", session_id=opened.id)
+    return web.json_response(text=protocol.encode(answer))
+
+
+async def open_session(gateway: GatewayState, fields: dict[str, Any], *, strict: bool = True,
+                       audio_only: bool = False) -> Session | web.Response:
+    """The one way from an offer to a session, whichever door it came through (this JSON route, WHEP): the
+    offer's fields checked as a `protocol.Offer` (sdp, voice, jitter_buffer_ms), a session slot admitted, the
+    session opened and answered. Returns the session, or the JSON error to send (400, or 503 + Retry-After).
+
+    `strict=False` lets text convert to numbers (query parameters: `jitter_buffer_ms=500`). `audio_only` also
+    takes an offer without a data channel (a WHEP player); such a session then waits for none.
+    """
     config = gateway.config
-    body = await read_json_object(request, config.max_body_bytes)
     try:
-        message = msgspec.convert(body, protocol.Offer)
+        message = msgspec.convert(fields, protocol.Offer, strict=strict)
     except msgspec.ValidationError as exc:
         return _offer_error(exc)
     sdp = message.sdp
     if not sdp.strip():
         return json_error(400, "invalid_offer", "'sdp' (a string) is required")
-    if "m=audio" not in sdp or "m=application" not in sdp:
+    has_channel = "m=application" in sdp
+    if audio_only and "m=audio" not in sdp:
+        return json_error(400, "invalid_offer", "the offer must receive audio (m=audio)")
+    if "m=audio" not in sdp or not (has_channel or audio_only):
         return json_error(400, "invalid_offer",
                           "the offer must receive audio and open a data channel (m=audio and m=application)")
     jitter = config.jitter_buffer_ms if message.jitter_buffer_ms is None else message.jitter_buffer_ms
@@ -69,7 +92,8 @@ async def offer(request: web.Request) -> web.Response:
         gateway.metrics.rejections_total.labels(exc.code).inc()
         return capacity_error(exc)
     try:
-        session = await gateway.sessions.open(RTCSessionDescription(sdp=sdp, type="offer"), voice, jitter, slot)
+        return await gateway.sessions.open(RTCSessionDescription(sdp=sdp, type="offer"), voice, jitter, slot,
+                                           expect_channel=has_channel)
     except OSError:
         log.exception("could not set up a peer connection")
         return json_error(503, "network_unavailable", "the gateway could not open a peer connection",
@@ -77,9 +101,6 @@ async def offer(request: web.Request) -> web.Response:
     except Exception as exc:  # aiortc rejects malformed SDP with many exception types
         log.info("offer refused: %r", exc)
         return json_error(400, "invalid_sdp", f"the offer could not be used: {exc}"[:MAX_ERROR_DETAIL_CHARS])
-    local = session.pc.localDescription
-    answer = protocol.Answer(sdp=local.sdp, type="answer", session_id=session.id)
-    return web.json_response(text=protocol.encode(answer))
 
 
 async def get_ice_servers(request: web.Request) -> web.Response:

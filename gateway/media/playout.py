@@ -105,8 +105,10 @@ class PlayoutEvent:
     """Something that happened at the moment a frame was handed to the sender.
 
     ``timestamp`` is the track clock (``time.monotonic`` unless injected) at the
-    recv that returned the frame. ``label``/``data`` are set for markers;
-    ``audio_ms``/``underruns``/``underrun_ms`` for ``finished``.
+    recv that returned the frame; ``pts`` is that frame's pts (48 kHz samples
+    since the track's first frame: where the event sits in the RTP stream).
+    ``label``/``data`` are set for markers; ``audio_ms``/``underruns``/
+    ``underrun_ms`` for ``finished``.
     """
 
     kind: PlayoutEventKind
@@ -117,6 +119,7 @@ class PlayoutEvent:
     audio_ms: int = 0
     underruns: int = 0
     underrun_ms: int = 0
+    pts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +332,11 @@ class PlayoutTrack(MediaStreamTrack):
             return self._queue[0].utterance_id
         return None
 
+    def played_ms(self, utterance_id: str) -> int | None:
+        """Audio of a queued utterance returned so far (underrun silence not counted); None if not queued."""
+        utt = self._by_id.get(utterance_id)
+        return None if utt is None else utt.frames_played * FRAME_MS
+
     def stats(self) -> PlayoutStats:
         return PlayoutStats(
             frames_sent=self._frames_sent,
@@ -464,11 +472,13 @@ class PlayoutTrack(MediaStreamTrack):
                 audio_ms=utt.frames_played * FRAME_MS,
                 underruns=utt.underruns,
                 underrun_ms=utt.underrun_frames * FRAME_MS,
+                pts=self._frames_sent * FRAME_SAMPLES,
             )
         )
 
     def _queue_event(self, kind: PlayoutEventKind, utt: _Utterance) -> None:
-        self._pending_events.append(PlayoutEvent(kind=kind, utterance_id=utt.utterance_id, timestamp=self._event_time))
+        self._pending_events.append(PlayoutEvent(kind=kind, utterance_id=utt.utterance_id, timestamp=self._event_time,
+                                                 pts=self._frames_sent * FRAME_SAMPLES))
 
     def _queue_marker(self, utt: _Utterance, marker: tuple[int, str, Any]) -> None:
         _, label, data = marker
@@ -479,6 +489,7 @@ class PlayoutTrack(MediaStreamTrack):
                 timestamp=self._event_time,
                 label=label,
                 data=data,
+                pts=self._frames_sent * FRAME_SAMPLES,
             )
         )
 

@@ -34,17 +34,20 @@ class SessionManager:
         return RTCConfiguration(iceServers=servers)  # [] (not None): no public STUN server is contacted
 
     def session(self, pc: RTCPeerConnection, session_id: str, voice: str, jitter_buffer_ms: int,
-                slot: Slot | None = None) -> Session:
+                slot: Slot | None = None, *, expect_channel: bool = True) -> Session:
         """A session of this manager on `pc` (not yet negotiated)."""
-        return Session(self.services, pc, session_id, voice, jitter_buffer_ms, slot, on_closed=self.forget)
+        return Session(self.services, pc, session_id, voice, jitter_buffer_ms, slot, on_closed=self.forget,
+                       expect_channel=expect_channel)
 
-    async def open(self, offer: RTCSessionDescription, voice: str, jitter_buffer_ms: int, slot: Slot) -> Session:
-        """A session answering `offer`; it holds `slot` until it closes (released here if it cannot open)."""
+    async def open(self, offer: RTCSessionDescription, voice: str, jitter_buffer_ms: int, slot: Slot, *,
+                   expect_channel: bool = True) -> Session:
+        """A session answering `offer`; it holds `slot` until it closes (released here if it cannot open).
+        `expect_channel=False`: the offer opens no data channel (audio only), so none is waited for."""
         try:
             # The id comes first: the gateway's TURN username (`<expiry>:<session id>`) names the session.
             session_id = self.new_session_id()
             pc = RTCPeerConnection(self.ice_configuration(session_id))
-            session = self.session(pc, session_id, voice, jitter_buffer_ms, slot)
+            session = self.session(pc, session_id, voice, jitter_buffer_ms, slot, expect_channel=expect_channel)
         except BaseException:
             slot.release()
             raise

@@ -10,7 +10,8 @@ Wire rules: one JSON object per message, UTF-8 text, at most `MAX_MESSAGE_BYTES`
 Unknown fields are ignored (a newer client may send more). Bad input never costs the session: `parse_client_message`
 turns it into a `ProtocolError` whose code and message become an `error` event.
 
-Imports msgspec and the standard library, and the configuration's bounds; nothing else of the gateway.
+Imports msgspec and the standard library, and the bounds it states: the configuration's (jitter buffer) and the
+lesson rate's (`gateway.media.stretch`); nothing else of the gateway.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.config import JITTER_BUFFER_MAX_MS
+from gateway.media.stretch import LESSON_RATE_RANGE
 
 CONTROL_LABEL = "control"  # the data channel the protocol runs on
 MAX_MESSAGE_BYTES = 16 * 1024
@@ -34,6 +36,14 @@ VoiceName = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 JitterBufferMs = Annotated[int, msgspec.Meta(ge=0, le=JITTER_BUFFER_MAX_MS,
                                              description="Audio queued before an utterance starts playing.")]
 PingToken = int | float | str | None
+# The bounds are the schema's (the page reads them); the session checks them with `stretch.check_rate` so an
+# out-of-range rate gets its own `invalid_rate` error naming the bounds.
+PlaybackRate = Annotated[float, msgspec.Meta(
+    description=f"Playback speed, pitch kept: 1 as spoken, {LESSON_RATE_RANGE[0]} twice as slow.",
+    extra_json_schema={"minimum": LESSON_RATE_RANGE[0], "maximum": LESSON_RATE_RANGE[1]})]
+WordIndex = Annotated[int, msgspec.Meta(ge=0, description="A word of an utterance, counted from 0 across its "
+                                        "sentences (the `first_word` of its `words` event + its place there).")]
+MAX_PLAYED_MS = 24 * 3600 * 1000
 
 
 class ProtocolError(Exception):
@@ -76,6 +86,7 @@ class Speak(msgspec.Struct, tag_field="type", tag="speak", kw_only=True, omit_de
     voice: VoiceName | None = None
     interrupt: bool = False  # cancel what is playing and queued first (barge-in)
     more: bool = False
+    rate: PlaybackRate = 1.0  # set by the first piece; later pieces' rate is ignored
 
 
 class Cancel(msgspec.Struct, tag_field="type", tag="cancel", kw_only=True, omit_defaults=True):
@@ -91,8 +102,28 @@ class Ping(msgspec.Struct, tag_field="type", tag="ping", kw_only=True, omit_defa
     t: PingToken = None
 
 
-ClientMessage = Speak | Cancel | Ping
-CLIENT_TYPES = ("speak", "cancel", "ping")
+class Repeat(msgspec.Struct, tag_field="type", tag="repeat", kw_only=True, omit_defaults=True):
+    """Play utterance `id` of this session again (words `from_word`..`to_word` inclusive, or all of it) from the
+    session's replay cache, at `rate`, without asking the engine. It is a new utterance: `new_id`, or
+    `"<id>#r<n>"` (n counts the repeats of `id` in this session); its `queued` names `repeat_of`."""
+
+    id: UtteranceId
+    new_id: UtteranceId | None = None
+    from_word: WordIndex | None = None
+    to_word: WordIndex | None = None
+    rate: PlaybackRate = 1.0
+    interrupt: bool = False
+
+
+class Played(msgspec.Struct, tag_field="type", tag="played", kw_only=True, omit_defaults=True):
+    """The page's own playout: how much of utterance `id` it has played (a metric; nothing is answered)."""
+
+    id: UtteranceId
+    played_ms: Annotated[float, msgspec.Meta(ge=0, le=MAX_PLAYED_MS)]
+
+
+ClientMessage = Speak | Cancel | Ping | Repeat | Played
+CLIENT_TYPES = ("speak", "cancel", "ping", "repeat", "played")
 
 
 # --- server -> client ------------------------------------------------------------------------------------
@@ -109,9 +140,10 @@ class Ready(Event, tag="ready"):
     jitter_buffer_ms: int
 
 
-class Queued(Event, tag="queued"):
+class Queued(Event, tag="queued", omit_defaults=True):
     id: str
     position: int  # utterances ahead of this one (0: next)
+    repeat_of: str | None = None  # a `repeat`: the utterance it replays
 
 
 class Started(Event, tag="started"):
@@ -122,6 +154,7 @@ class Started(Event, tag="started"):
     ttfa_ms: float | None
     ttft_ms: float | None = None
     ttfw_ms: float | None = None
+    rtp_timestamp: int | None = None  # 48 kHz RTP timestamp of its first sample (see `Words.rtp_timestamp`)
 
 
 class Segment(Event, tag="segment"):
@@ -133,14 +166,77 @@ class Segment(Event, tag="segment"):
 
 
 class Done(Event, tag="done"):
+    """The utterance's last audio left the server. `played_ms`, `heard_text`, `last_word`: as in `Cancelled`
+    (all of it, unless the engine stopped a sentence short)."""
+
     id: str
     audio_ms: float
     underruns: int
     underrun_ms: float
+    played_ms: float = 0.0
+    heard_text: str = ""
+    last_word: int = -1
 
 
 class Cancelled(Event, tag="cancelled"):
+    """The utterance was cancelled. What the student heard of it: `played_ms` of its audio left the server
+    (silence of underruns not counted); `heard_text` is its text up to the end of the last whole word played
+    (a prefix of the text at a word boundary; for a `repeat` of a word range, from the range's first word);
+    `last_word` is that word's index, -1 if none."""
+
     id: str
+    played_ms: float = 0.0
+    heard_text: str = ""
+    last_word: int = -1
+
+
+class Word(msgspec.Struct, kw_only=True):
+    """One word: `text == utterance_text[char_start:char_end]` (the text as the client sent it, all its `more`
+    pieces together); heard from `start_ms` for `duration_ms` on the utterance's audio timeline."""
+
+    text: str
+    char_start: int
+    char_end: int
+    start_ms: int
+    duration_ms: int
+
+
+class Words(Event, tag="words"):
+    """Word timings of sentence `index`, sent once its audio is made and it has started playing (after its
+    `segment`, before the next `segment` and before `done`). `start_ms`: where the sentence starts on the
+    utterance's audio timeline (the times of `words` are on that timeline too; played at `rate`).
+    `rtp_timestamp`: the 48 kHz RTP timestamp of the sentence's first sample in the audio track, so a page maps
+    the words onto its own playout (`RTCRtpReceiver.getSynchronizationSources()`); null if unknown.
+    `first_word`: the index of its first word in the utterance. `source`: "aligned" (CTC forced alignment) or
+    "estimated" (from the audio's energy and syllable counts)."""
+
+    id: str
+    index: int
+    start_ms: int
+    rtp_timestamp: int | None
+    source: Literal["aligned", "estimated"]
+    first_word: int
+    words: list[Word]
+
+
+class Viseme(msgspec.Struct, kw_only=True):
+    """One mouth shape (Oculus-15: sil PP FF TH DD kk CH SS nn RR aa E I O U) on the utterance's timeline, inside
+    word `word` (an utterance word index)."""
+
+    viseme: str
+    start_ms: int
+    duration_ms: int
+    word: int
+
+
+class Visemes(Event, tag="visemes"):
+    """Visemes of sentence `index`, sent with its `words` (same `start_ms` and `rtp_timestamp`)."""
+
+    id: str
+    index: int
+    start_ms: int
+    rtp_timestamp: int | None
+    visemes: list[Viseme]
 
 
 class Pong(Event, tag="pong"):
@@ -157,7 +253,7 @@ class Error(Event, tag="error", omit_defaults=True):
     retry_after_s: float | None = None
 
 
-ServerEvent = Ready | Queued | Started | Segment | Done | Cancelled | Pong | Error
+ServerEvent = Ready | Queued | Started | Segment | Words | Visemes | Done | Cancelled | Pong | Error
 TERMINAL_EVENTS = ("done", "cancelled", "error")  # exactly one of these ends every accepted speak
 
 _client_decoder = msgspec.json.Decoder(ClientMessage)
@@ -227,7 +323,7 @@ def parse_server_event(raw: str | bytes) -> ServerEvent:
     return _server_decoder.decode(raw)
 
 
-def encode(message: Event | Speak | Cancel | Ping | Offer | Answer) -> str:
+def encode(message: Event | Speak | Cancel | Ping | Repeat | Played | Offer | Answer) -> str:
     """One message as JSON text (UTF-8 characters as they are, not escaped)."""
     return _encoder.encode(message).decode()
 

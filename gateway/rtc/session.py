@@ -1,7 +1,8 @@
 """One browser peer: its connection, its data channel, its utterance queue, and how long it may live.
 
 What the session hands off: message parsing to `protocol`, synthesis to its `Speaker`, playout events to its
-`PlayoutReporter`, signalling to `gateway.edge.signalling` and the set of sessions to `SessionManager`. Every
+`PlayoutReporter`, word timings, heard reports, rates and repeats to its `Lesson`, signalling to
+`gateway.edge.signalling` and the set of sessions to `SessionManager`. Every
 utterance ends in exactly one of `done`, `cancelled` or an `error` naming its id; a session closed by the
 gateway gets an `error` saying why first.
 """
@@ -21,7 +22,8 @@ from gateway.media.encoder import OpusTrack
 from gateway.media.playout import SAMPLE_RATE_OUT, PlayoutTrack
 from gateway.orpheus import SentenceSplitter
 from gateway.rtc import protocol
-from gateway.rtc.protocol import CONTROL_LABEL, Cancel, Ping, ProtocolError, Speak
+from gateway.rtc.lesson import Lesson
+from gateway.rtc.protocol import CONTROL_LABEL, Cancel, Ping, Played, ProtocolError, Repeat, Speak
 from gateway.rtc.reporter import PlayoutReporter
 from gateway.rtc.services import SessionServices
 from gateway.rtc.speaker import Speaker
@@ -43,7 +45,7 @@ class Session:
 
     def __init__(self, services: SessionServices, pc: RTCPeerConnection, session_id: str, voice: str,
                  jitter_buffer_ms: int, slot: Slot | None = None,
-                 on_closed: Callable[[Session], None] | None = None) -> None:
+                 on_closed: Callable[[Session], None] | None = None, *, expect_channel: bool = True) -> None:
         self.services = services
         self.config = config = services.config
         self.id = session_id
@@ -51,6 +53,10 @@ class Session:
         self.voice = voice
         self.jitter_buffer_ms = jitter_buffer_ms
         self.channel: RTCDataChannel | None = None
+        # False for a listener that offered no data channel (a WHEP player): audio only, and the connect timeout
+        # waits for the peer to connect instead of for the channel to open.
+        self.expect_channel = expect_channel
+        self.peer_connected = False
         self.created_at = time.monotonic()
         self.last_message_at = self.created_at
         self.heartbeat_armed = False  # set by the first ping: a client that pings must keep pinging
@@ -61,9 +67,11 @@ class Session:
         self._rate_error_at = -RATE_ERROR_INTERVAL_S
         self.utterances: dict[str, Utterance] = {}  # queued, synthesising or playing
         self._abandoned: dict[str, None] = {}  # insertion-ordered set, trimmed to MAX_ABANDONED_IDS
-        self.reporter = PlayoutReporter(services.metrics, self.utterances, self.send)
-        self.track = PlayoutTrack(on_event=self.reporter.on_playout_event)
-        self.speaker = Speaker(services, self.track, jitter_buffer_ms, self._fail, name=f"session-{session_id[:8]}")
+        self.lesson = Lesson(services, pc, self.send)
+        self.reporter = PlayoutReporter(services.metrics, self.utterances, self.send, self.lesson)
+        self.track = self.lesson.track = PlayoutTrack(on_event=self.reporter.on_playout_event)
+        self.speaker = Speaker(services, self.track, jitter_buffer_ms, self._fail, name=f"session-{session_id[:8]}",
+                               lesson=self.lesson)
         self._watchdog = asyncio.create_task(self._watch(), name=f"session-watch-{session_id[:8]}")
 
         # aiortc sends what the Opus stage returns; the playout track stays the one place that keeps time.
@@ -88,6 +96,8 @@ class Session:
                                  sample_rate=SAMPLE_RATE_OUT, jitter_buffer_ms=self.jitter_buffer_ms))
 
     async def _on_connection_state(self) -> None:
+        if self.pc.connectionState == "connected":
+            self.peer_connected = True
         if self.pc.connectionState in ("failed", "closed"):
             await self.close()
 
@@ -135,6 +145,10 @@ class Session:
         elif isinstance(message, Ping):
             self.heartbeat_armed = True
             self.send(protocol.Pong(t=message.t))
+        elif isinstance(message, Repeat):
+            self.repeat(message)
+        elif isinstance(message, Played):
+            self.lesson.played(message)
 
     def speak(self, message: Speak) -> None:
         utterance_id = message.id
@@ -160,17 +174,29 @@ class Session:
         voice = _checked(resolve_voice, self.config.voice_list, self.voice, message.voice,
                          utterance_id=utterance_id)
         _checked(check_text, message.text, limit, allow_empty=message.more, utterance_id=utterance_id)
-        if message.interrupt:
+        rate = self.lesson.check_rate(message.rate, utterance_id)
+        utterance = Utterance(utterance_id, voice, time.monotonic(), SentenceSplitter(self.config.max_sentence_chars),
+                              rate=rate)
+        utterance.add_text(message.text, message.more)
+        self._admit(utterance, message.interrupt)
+
+    def repeat(self, message: Repeat) -> None:
+        """Play (words of) a recent utterance again, from the session's recordings: no engine request."""
+        utterance = self.lesson.repeat(message)  # ProtocolError: nothing to repeat, bad range or rate
+        if utterance.id in self.utterances or utterance.id in self._abandoned:
+            raise ProtocolError("duplicate_id", f"utterance {utterance.id!r} already exists", utterance.id)
+        self._admit(utterance, message.interrupt, repeat_of=message.id)
+
+    def _admit(self, utterance: Utterance, interrupt: bool, repeat_of: str | None = None) -> None:
+        """Queue a new utterance (after cancelling everything, for a barge-in) and say so."""
+        if interrupt:
             self.cancel(None)
         elif self.speaker.pending.qsize() >= self.config.max_queued_utterances:
-            raise ProtocolError("queue_full", "too many utterances are waiting; cancel or wait", utterance_id)
-
-        utterance = Utterance(utterance_id, voice, time.monotonic(), SentenceSplitter(self.config.max_sentence_chars))
-        utterance.add_text(message.text, message.more)
+            raise ProtocolError("queue_full", "too many utterances are waiting; cancel or wait", utterance.id)
         position = self.speaker.waiting
-        self.utterances[utterance_id] = utterance
+        self.utterances[utterance.id] = utterance
         self.speaker.enqueue(utterance)
-        self.send(protocol.Queued(id=utterance_id, position=position))
+        self.send(protocol.Queued(id=utterance.id, position=position, repeat_of=repeat_of))
 
     def cancel(self, utterance_id: str | None) -> None:
         """Stop the named utterance (or the current one and everything queued) at once."""
@@ -178,8 +204,9 @@ class Session:
             raise ProtocolError("unknown_id", f"no utterance {utterance_id!r} is queued or playing", utterance_id)
         victims = [self.utterances[utterance_id]] if utterance_id else list(self.utterances.values())
         for utterance in victims:
+            heard = self.lesson.cancelled(utterance)  # before the track forgets how much of it played
             self._drop(utterance)
-            self.send(protocol.Cancelled(id=utterance.id))
+            self.send(protocol.Cancelled(id=utterance.id, **heard))
             self.services.metrics.utterances_total.labels("cancelled").inc()
 
     def _drop(self, utterance: Utterance) -> None:
@@ -190,6 +217,7 @@ class Session:
     def _end(self, utterance: Utterance) -> None:
         self.utterances.pop(utterance.id, None)
         self.track.clear(utterance.id)
+        self.lesson.forget(utterance.id)
         if not utterance.closed:
             self._abandoned[utterance.id] = None
             while len(self._abandoned) > MAX_ABANDONED_IDS:
@@ -223,8 +251,11 @@ class Session:
     def expired(self, config: GatewayConfig, now: float) -> tuple[str, str] | None:
         """(code, message) of the limit this session has run past, if any."""
         age, quiet = now - self.created_at, now - self.last_message_at
-        if self.channel is None and 0 < config.session_connect_timeout_s < age:
-            return "connect_timeout", f"the data channel did not open within {config.session_connect_timeout_s:g} s"
+        if 0 < config.session_connect_timeout_s < age:
+            if self.expect_channel and self.channel is None:
+                return "connect_timeout", f"the data channel did not open within {config.session_connect_timeout_s:g} s"
+            if not self.expect_channel and not self.peer_connected:
+                return "connect_timeout", f"the peer did not connect within {config.session_connect_timeout_s:g} s"
         if 0 < config.max_session_s < age:
             return "session_time_limit", f"sessions are limited to {config.max_session_s:g} s; connect again"
         if self.heartbeat_armed and 0 < config.heartbeat_timeout_s < quiet:
@@ -260,6 +291,7 @@ class Session:
         for utterance in list(self.utterances.values()):
             self._drop(utterance)
         self.speaker.clear_pending()
+        self.lesson.close()
         current = asyncio.current_task()
         for task in (*self.speaker.tasks(), self._watchdog):
             if task is not current and not task.done():

@@ -1,5 +1,5 @@
-"""A session's synthesis worker: its utterances, one after the other, from the shared synthesizer into its
-playout track."""
+"""A session's synthesis worker: its utterances, one after the other, from the shared synthesizer (or, for a
+repeat, from a recording) through the lesson's feed (rate, sentence markers, timings) into its playout track."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.media.playout import PlayoutTrack
+from gateway.rtc.lesson import Lesson, play_recording
 from gateway.rtc.services import SessionServices
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import CapacityError
@@ -17,21 +18,20 @@ from gateway.speech.synthesizer import InvalidRequestError, UtteranceStats
 
 log = logging.getLogger(__name__)
 
-SEGMENT_MARKER = "segment"  # playout marker at each sentence's first sample: (index, text)
-
 # fail(utterance, code, message, outcome, **extra): end an utterance with an error event naming it.
 FailUtterance = Callable[..., None]
 
 
 class Speaker:
-    """Takes queued utterances in order; each holds an admission slot while it synthesises, and a cancelled one
-    is skipped. Cancelling the current one (`cancel_current`) closes its audio stream, which aborts its engine
-    request."""
+    """Takes queued utterances in order; each holds an admission slot while it synthesises (a repeat asks no
+    engine and needs none), and a cancelled one is skipped. Cancelling the current one (`cancel_current`) closes
+    its audio stream, which aborts its engine request."""
 
     def __init__(self, services: SessionServices, track: PlayoutTrack, jitter_buffer_ms: int, fail: FailUtterance,
-                 name: str) -> None:
+                 name: str, lesson: Lesson) -> None:
         self.services = services
         self.track = track
+        self.lesson = lesson
         self.jitter_buffer_ms = jitter_buffer_ms
         self._fail = fail
         self.pending: asyncio.Queue[Utterance] = asyncio.Queue()
@@ -69,35 +69,43 @@ class Speaker:
             if utterance.cancelled:
                 self.skipped += 1
                 continue
-            try:
-                slot = self.services.admission.admit_stream()
-            except CapacityError as exc:
-                metrics.rejections_total.labels(exc.code).inc()
-                self._fail(utterance, exc.code, str(exc), "rejected", retry_after_s=exc.retry_after_s)
-                continue
+            slot = None
+            if utterance.replay is None:
+                try:
+                    slot = self.services.admission.admit_stream()
+                except CapacityError as exc:
+                    metrics.rejections_total.labels(exc.code).inc()
+                    self._fail(utterance, exc.code, str(exc), "rejected", retry_after_s=exc.retry_after_s)
+                    continue
             self.current = utterance
             self._task = asyncio.create_task(self._synthesize(utterance))
-            # Released however the task ends, even when it is cancelled before it starts running.
-            self._task.add_done_callback(lambda _task, slot=slot: slot.release())
+            if slot is not None:  # released however the task ends, even when it is cancelled before it runs
+                self._task.add_done_callback(lambda _task, slot=slot: slot.release())
             # wait() rather than await: a cancelled utterance must not look like a cancelled worker.
             await asyncio.wait([self._task])
             self.current = None
             self._task = None
 
     async def _synthesize(self, utterance: Utterance) -> None:
+        if utterance.replay is not None:
+            try:
+                await play_recording(self.lesson.feed(utterance, self.jitter_buffer_ms), utterance.replay)
+            except Exception:  # a bug must cost one utterance (reported), never the session's worker
+                log.exception("%s: repeat %s failed", self.worker.get_name(), utterance.id)
+                self._fail(utterance, "internal_error", "the utterance could not be repeated")
+            return
         synthesizer = self.services.synthesizer()
         if synthesizer is None:
             self._fail(utterance, "engine_unavailable", "the speech engine is still starting")
             return
-        track = self.track
-        track.begin_utterance(utterance.id, self.jitter_buffer_ms)
+        feed = self.lesson.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
         utterance.stats = stats = UtteranceStats(started=utterance.received_at)
         try:
             async for chunk in synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats):
                 if chunk.first_of_sentence:
-                    track.mark(utterance.id, SEGMENT_MARKER, (chunk.sentence_index, chunk.sentence_text))
-                track.push_pcm(utterance.id, chunk.pcm)
-            track.end_utterance(utterance.id)
+                    feed.sentence(chunk.sentence_index, chunk.sentence_text)
+                feed.push(chunk.pcm, last=chunk.last_of_sentence)
+            feed.end()
             self.services.metrics.observe_synthesis(stats.tokens, stats.audio_s, stats.synthesis_s)
         except (EngineError, InvalidRequestError, RuntimeError) as exc:
             # RuntimeError: the SNAC worker failed this utterance's decode batch.

@@ -19,6 +19,7 @@ from prometheus_client.samples import Sample
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PLAYED_BUCKETS_S = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0, 30.0, 60.0)
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 WORKER_LABEL = "worker"
 METRICS_PATH = "/metrics"
@@ -64,6 +65,13 @@ class Metrics:
         # Refusals by error code (at_capacity, rate_limited, missing_token, ...): the operator's overload signal.
         self.rejections_total = Counter("orpheus_rejections_total", "Requests and messages refused, by code.",
                                         ["code"], registry=r)
+        # Lessons: how word timings were made (aligned vs estimated: how often the aligner was busy or late),
+        # and what the pages say they played (`played` messages: the student's side of the heard report).
+        self.word_timings_total = Counter("orpheus_word_timings_total", "Sentences given word timings, by source "
+                                          "(aligned, estimated).", ["source"], registry=r)
+        self.client_played_seconds = Histogram("orpheus_client_played_seconds", "Audio of an utterance the page "
+                                               "reports it played (`played` messages).", buckets=PLAYED_BUCKETS_S,
+                                               registry=r)
 
     def observe_synthesis(self, tokens: int, audio_s: float, synthesis_s: float | None) -> None:
         """One utterance made (HTTP or WebRTC): its tokens, its audio and, when it has audio, its real-time factor
