@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gateway.config import ConfigError
 from gateway.edge.http import GATEWAY_KEY, SUBJECT_KEY, json_error
-from gateway.edge.signalling import open_session
+from gateway.edge.signalling import end_session, open_session  # DELETE: the same as the JSON route's
 from gateway.rtc.ice import IceServer, client_id, ice_servers
 
 log = logging.getLogger(__name__)
@@ -84,15 +84,6 @@ async def create_session(request: web.Request) -> web.Response:
     for link in ice_server_links(ice_servers(gateway.config, client_id(request.get(SUBJECT_KEY)))):
         response.headers.add("Link", link)
     return response
-
-
-async def end_session(request: web.Request) -> web.Response:
-    """`DELETE {whep_path}/{session_id}`: 204, the session closed (as with the JSON route's DELETE)."""
-    session = request.app[GATEWAY_KEY].sessions.sessions.get(request.match_info["session_id"])
-    if session is None:
-        return json_error(404, "unknown_session", "no such session")
-    await session.close()
-    return web.Response(status=204)
 
 
 async def patch_session(request: web.Request) -> web.Response:

@@ -138,7 +138,7 @@ class _ByteSink:
         return data
 
 
-def _check_pcm(pcm: npt.ArrayLike) -> npt.NDArray[np.int16]:
+def check_pcm(pcm: npt.ArrayLike) -> npt.NDArray[np.int16]:
     array = np.asarray(pcm)
     if array.dtype != np.int16 or array.ndim != 1:
         raise ValueError(f"pcm must be a 1-D int16 array of mono samples, got {array.dtype} with shape {array.shape}")
@@ -185,7 +185,7 @@ class StreamEncoder:
         """Encode one chunk of mono int16 PCM; returns the bytes ready now (possibly empty)."""
         if self._finished:
             raise RuntimeError("encode() after finish()")
-        samples = _check_pcm(pcm)
+        samples = check_pcm(pcm)
         head, self._pending = self._pending, b""
         if self._container is None:  # wav, pcm: the samples are the stream
             return head + samples.astype("<i2", copy=False).tobytes()

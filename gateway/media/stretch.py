@@ -2,8 +2,8 @@
 
 Owns: `TimeStretcher` (chunks in, chunks out, through libavfilter's `atempo` in a PyAV `av.filter.Graph`), the
 two ranges its callers accept (`LESSON_RATE_RANGE` for a lesson's `rate`, `SPEECH_SPEED_RANGE` for the OpenAI
-speech API's `speed`) and `check_rate`, which both callers use to refuse a value with a clear message. Imports only
-av and numpy (nothing from other gateway packages).
+speech API's `speed`) and `check_rate`, which both callers use to refuse a value with a clear message. Imports av,
+numpy and its sibling `formats` (the one PCM input check); nothing from other gateway packages.
 
 How:
 - abuffer -> atempo [-> atempo ...] -> aformat -> abuffersink. One atempo stays within 0.5..2.0: atempo takes up to
@@ -28,6 +28,8 @@ from fractions import Fraction
 import av
 import numpy as np
 import numpy.typing as npt
+
+from gateway.media.formats import check_pcm
 
 SAMPLE_RATE = 24000  # what SNAC makes
 
@@ -69,13 +71,6 @@ def atempo_chain(rate: float) -> list[float]:
     if not math.isclose(rest, 1.0, rel_tol=1e-9, abs_tol=0.0):
         factors.append(rest)
     return factors
-
-
-def _check_pcm(pcm: npt.ArrayLike) -> npt.NDArray[np.int16]:
-    array = np.asarray(pcm)
-    if array.dtype != np.int16 or array.ndim != 1:
-        raise ValueError(f"pcm must be a 1-D int16 array of mono samples, got {array.dtype} with shape {array.shape}")
-    return array
 
 
 _EMPTY: npt.NDArray[np.int16] = np.zeros(0, dtype=np.int16)
@@ -132,7 +127,7 @@ class TimeStretcher:
 
     def process(self, pcm: npt.ArrayLike) -> npt.NDArray[np.int16]:
         """Stretch one chunk; returns the samples ready now (often fewer than len/rate: atempo looks ahead)."""
-        samples = _check_pcm(pcm)
+        samples = check_pcm(pcm)
         if self.passthrough:
             return samples
         if not samples.size:

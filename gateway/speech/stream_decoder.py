@@ -141,8 +141,7 @@ class StreamDecoder:
         heads = [s for s in self._streams if not s.started and s.handle is not None and self._head_ready(s)]
         if heads:
             self._first_chunks(heads)
-        ready = [s for s in self._streams if self._workable(s) and (s.started or s.handle.stepped
-                                                                     < STEPS_BEFORE_AUDIO)]
+        ready = [s for s in self._streams if self._workable(s)]  # the heads just started are workable now
         if not ready:
             self._finish_done()
             return
