@@ -223,6 +223,25 @@ def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> 
     assert point["summary"]["ok"] == 2 and all(r["audio_s"] > 0 for r in point["requests"])
     assert point["pipeline"]["cpu_s"]["client_processes"] > 0
 
+def test_fault_bench_kills_the_snac_process_and_every_utterance_ends_once(workers: Workers, tmp_path: Path) -> None:
+    """`bench.faults` against the running workers, the SNAC fault (seconds; a killed worker's peers take ~30 s of
+    ICE consent checks to notice, too long here): peers keep speaking through the kill, every utterance ends
+    exactly once, no session is lost, and new sessions speak again."""
+    from bench.faults import main
+
+    out = tmp_path / "faults"
+    argv = ["--gateway-url", workers.url, "--supervisor-pid", str(workers.proc.pid), "--sockets",
+            str(workers.sockets), "--faults", "snac", "--peers", "2", "--client-processes", "1", "--before-s", "3",
+            "--after-s", "8", "--out", str(out)]
+    assert main(argv) == 0, (out / "faults.json").read_text()
+    (phase,) = json.loads((out / "faults.json").read_text())["phases"]
+    assert phase["killed"]["kind"] == "snac" and phase["sessions"] == 2
+    assert phase["silent"] == 0 and phase["doubled"] == 0 and phase["out_of_order"] == 0
+    assert phase["sessions_lost"] == 0 and phase["ended_by_lost_connection"] == 0
+    assert phase["new_session_speaking_after_s"] is not None and phase["done_after_fault"] > 0
+    assert "| snac (snac) | 2 |" in (out / "faults.md").read_text()
+
+
 async def test_sigterm_stops_the_supervisor_and_its_workers(workers: Workers) -> None:
     pids = workers.worker_pids() + workers.worker_pids("gateway.speech.codec_server")
     assert len(pids) == WORKERS + 1

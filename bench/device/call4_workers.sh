@@ -4,7 +4,8 @@
 # processes on the same host.
 # carry: .devcarry/snap, and .devcarry/gw2 + .devcarry/pool the first time (bench/device/README.md)
 # env: NAME (output folder), WORKERS (8), SERVE_ARGS (extra gateway flags), BENCH_ARGS (bench.run flags),
-#      READY_TIMEOUT (s, 300), BENCH_TIMEOUT (s, 420)
+#      READY_TIMEOUT (s, 300), BENCH_TIMEOUT (s, 420),
+#      FAULT_ARGS (bench.faults flags: run the fault injection instead of bench.run, e.g. "--peers 256")
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree
 cd $SRC
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-workers}; WORKERS=${WORKERS:-8}; mkdir -p $OUT/$NAME
@@ -50,7 +51,12 @@ asyncio.run(main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]))
 EOF
 RC=$?
 echo "workers ready rc=$RC after $(( $(date +%s) - T0 ))s"
-if [ $RC -eq 0 ]; then
+if [ $RC -eq 0 ] && [ -n "$FAULT_ARGS" ]; then
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.faults --gateway-url http://127.0.0.1:$PORT --supervisor-pid $SERVE_PID \
+    --sockets /tmp/gw-sockets --workers $WORKERS --out $OUT/$NAME $FAULT_ARGS > $OUT/$NAME/faults.log 2>&1
+  echo "faults rc=$?"
+  grep -E "^\[|^\|" $OUT/$NAME/faults.log | tail -c 7000
+elif [ $RC -eq 0 ]; then
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --out $OUT/$NAME $BENCH_ARGS \
     > $OUT/$NAME/bench.log 2>&1
   echo "bench rc=$?"

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,9 @@ class HeadlessPeer:
     protocol_violations: list[str] = field(default_factory=list)
     # STUN/TURN of this peer, e.g. from the gateway's GET /v1/webrtc/ice-servers; default none (loopback tests).
     configuration: RTCConfiguration | None = None
+    # When the connection failed or was closed by anything but `close()` (a server gone without a word is
+    # noticed by ICE consent checks, ~30 s with aioice); None while it holds.
+    lost_at: float | None = None
 
     def __post_init__(self) -> None:
         self.pc = RTCPeerConnection(self.configuration or RTCConfiguration(iceServers=[]))
@@ -86,8 +90,10 @@ class HeadlessPeer:
         self.pc.addTransceiver("audio", direction="recvonly")
         self._event_arrived = asyncio.Event()
         self._audio_task: asyncio.Task[None] | None = None
+        self._closing = False
         self.channel.on("message", self._on_message)
         self.pc.on("track", self._on_track)
+        self.pc.on("connectionstatechange", self._on_connection_state)
 
     # --- connection -------------------------------------------------------------------------------
     async def connect(self, timeout: float = 30.0) -> dict[str, Any]:
@@ -105,11 +111,17 @@ class HeadlessPeer:
         return await self.wait_event("ready", timeout=timeout)
 
     async def close(self) -> None:
+        self._closing = True
         if self._audio_task is not None:
             self._audio_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, MediaStreamError):
                 await self._audio_task
         await self.pc.close()
+
+    def _on_connection_state(self) -> None:
+        if self.pc.connectionState in ("failed", "closed") and not self._closing and self.lost_at is None:
+            self.lost_at = time.monotonic()
+            self._event_arrived.set()  # wake whoever waits for an event that cannot come now
 
     # --- protocol ---------------------------------------------------------------------------------
     def send(self, message: protocol.ClientMessage | dict[str, Any] | str | bytes) -> None:
@@ -156,6 +168,24 @@ class HeadlessPeer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event_arrived.wait(), remaining)
         return found[0].message
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until `predicate()` holds, checked on every event; False on timeout or when the connection is
+        lost first."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.lost_at is not None:
+                return False
+            self._event_arrived.clear()  # no await since the check: no event can slip in between
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event_arrived.wait(), remaining)
+        return True
+
+    async def wait_ending(self, utterance_id: str, timeout: float) -> list[str]:
+        """The utterance's terminal events once it has one (empty: timeout, or the connection was lost)."""
+        await self.wait_until(lambda: bool(self.endings(utterance_id).terminal), timeout)
+        return self.endings(utterance_id).terminal
 
     def endings(self, utterance_id: str) -> Endings:
         """The exactly-once audit of one utterance id over the events received so far."""
