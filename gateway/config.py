@@ -98,7 +98,7 @@ class GatewayConfig:
     snac_decoder: str = _opt("stream", "How SNAC decodes. stream: the exact incremental decoder (each frame decoded "
                              "once, output equal to a full decode; gateway/speech/snac_stream.py). windows: "
                              "sliding windows (decode_* settings below; ~2.9 frames decoded per new frame, "
-                             "approximate). The shared SNAC process of --workers decodes windows.")
+                             "approximate). The shared SNAC process of --workers decodes the same way for all workers.")
     decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
     decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
     decode_fast_start_ms: float = _opt(45.0, "Play an utterance's first frame without waiting for its lookahead "

@@ -52,8 +52,8 @@ async def synthesizer(test_config: GatewayConfig) -> AsyncIterator[object]:
 
 @pytest.fixture(scope="session")
 async def windows_synthesizer(synthesizer: object, tiny_snac_dir: Path) -> AsyncIterator[object]:
-    """The shared engine with sliding-window SNAC decoding (`snac_decoder windows`, what the shared SNAC process
-    of `serve --workers` does), for the tests of the window path."""
+    """The shared engine with sliding-window SNAC decoding (`snac_decoder windows`), for the tests of the window
+    path."""
     import dataclasses
 
     from gateway.speech.codec import DecodeBatcher, SnacModel

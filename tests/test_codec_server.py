@@ -1,30 +1,53 @@
-"""The shared SNAC decoder on a Unix socket: same audio as in-process decoding, requests of several clients in
-one pass, clear errors for bad requests and a missing server."""
+"""The shared SNAC decoder on a Unix socket, both protocols. Windows: same audio as in-process decoding, requests
+of several clients in one pass. Streams: the same audio as the in-process streaming decoder, the streams of
+several clients in one step, the synthesizer speaking through it. Both: clear errors for bad messages and a
+missing server, and decoding resumes once the server is back."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
 import os
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from gateway.orpheus import SAMPLES_PER_FRAME
+from gateway.orpheus import SAMPLES_PER_FRAME, Frame
 from gateway.speech.codec import DecodeBatcher, SnacModel, StreamWindower, decode_windows
 from gateway.speech.codec_server import (
+    ALL_STREAMS,
+    CHUNK,
+    END,
+    ERROR,
+    FINISH,
     HEADER,
+    LAST,
+    MESSAGE,
+    OPEN,
+    PUSH,
+    PUSH_HEAD,
+    RELEASE,
     SERVER_ENV,
     STATUS_ERROR,
+    STREAM_HELLO,
     CodecClient,
     CodecServer,
     CodecServerSettings,
+    CodecStreamClient,
+    StreamCodecServer,
     codec_server_env,
 )
-from tests.support import first_window, make_frames, take_all
+from gateway.speech.snac_stream import StreamingSnac
+from gateway.speech.stream_decoder import StreamDecoder
+from gateway.speech.synthesizer import Synthesizer, UtteranceStats, uses_stream_decoder
+from tests.support import first_window, make_frames, take_all, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +225,8 @@ async def test_without_a_server_a_batch_fails_clearly_and_decoding_resumes_when_
 
 def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
     settings = CodecServerSettings(socket=str(tmp_path / "s.sock"), snac_model="x", snac_dtype="bfloat16",
-                                   cuda_graphs=False, window_lengths=(2, 3), max_batch=8)
+                                   cuda_graphs=False, window_lengths=(2, 3), max_batch=8, decoder="windows",
+                                   max_streams=96)
     env = codec_server_env(settings)
     assert CodecServerSettings.from_env(env[SERVER_ENV]) == settings
 
@@ -226,3 +250,268 @@ def test_server_process_without_settings_exits_with_a_message() -> None:
     done = subprocess.run([sys.executable, "-m", "gateway.speech.codec_server"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and f"{SERVER_ENV} is not set" in done.stderr
+
+
+# --- the stream protocol ------------------------------------------------------------------------------------
+
+STREAM_SLOTS = 8
+
+
+@pytest.fixture(scope="module")
+def snac_weights(tiny_snac_dir: Path) -> Any:
+    from snac import SNAC
+
+    return SNAC.from_pretrained(str(tiny_snac_dir)).eval()
+
+
+class GatedStreamingSnac(StreamingSnac):
+    """The real streaming decoder whose first step waits until the test lets it go, so commands pile up meanwhile."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model, "cpu", max_streams=STREAM_SLOTS)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def step_batch(self, handles: Sequence[Any], *, as_float: bool = False) -> list[np.ndarray]:
+        self.entered.set()
+        self.go.wait(timeout=30)
+        return super().step_batch(handles, as_float=as_float)
+
+
+def start_stream_server(snac: StreamingSnac, path: Path, **decoder_options: Any) -> StreamCodecServer:
+    server = StreamCodecServer(StreamDecoder(snac, **decoder_options), path)
+    server.start()
+    return server
+
+
+async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list[Frame],
+                        pieces: Sequence[int] = (1, 3, 2)) -> np.ndarray:
+    """One sentence's audio from a streaming decoder: frames pushed a few at a time, then finished."""
+    stream = decoder.open(lambda: 0.0)
+    sizes = itertools.cycle(pieces)
+    at = 0
+    while at < len(frames):
+        step = next(sizes)
+        decoder.push(stream, frames[at:at + step])
+        at += step
+    decoder.finish(stream)
+    try:
+        return await audio_of(stream.chunks)
+    finally:
+        decoder.release(stream)
+
+
+async def audio_of(chunks: asyncio.Queue[Any]) -> np.ndarray:
+    pieces: list[np.ndarray] = []
+    while (item := await chunks.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        pieces.append(item[0])
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
+
+
+async def test_streams_through_the_server_sound_as_in_process(snac_weights: Any, server_path: Path) -> None:
+    server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+    client = CodecStreamClient(server_path)
+    local = StreamDecoder(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS))
+    try:
+        # One stream at a time on both: their noise seeds come from the same counter.
+        for count, seed in ((12, 1), (2, 2), (5, 3)):
+            frames = make_frames(count, seed=seed)
+            remote = await decode_stream(client, frames)
+            here = await decode_stream(local, frames)
+            assert len(remote) == count * SAMPLES_PER_FRAME, "every frame's audio once"
+            assert np.array_equal(remote, here), "the same samples as the in-process streaming decoder"
+        free = server.decoder.snac._free
+        await wait_until(lambda: len(free) == STREAM_SLOTS)
+    finally:
+        client.close()
+        local.close()
+        server.close()
+
+
+async def test_streams_of_two_clients_share_one_step(snac_weights: Any, server_path: Path) -> None:
+    gated = GatedStreamingSnac(snac_weights)
+    steps: list[int] = []
+    server = start_stream_server(gated, server_path, on_batch=lambda streams, *_: steps.append(streams))
+    clients = [CodecStreamClient(server_path) for _ in range(2)]
+    try:
+        first = clients[0].open(lambda: 0.0)
+        clients[0].push(first, make_frames(4, seed=1))
+        assert await asyncio.to_thread(gated.entered.wait, 30), "the first client's stream is stepping"
+        second = clients[1].open(lambda: 0.0)
+        clients[1].push(second, make_frames(4, seed=2))
+        await wait_until(lambda: server.decoder._commands.qsize() >= 2)  # its open and push wait behind the step
+        gated.go.set()
+        for client, stream in zip(clients, (first, second), strict=True):
+            client.finish(stream)
+        for stream in (first, second):
+            assert len(await audio_of(stream.chunks)) == 4 * SAMPLES_PER_FRAME
+        assert 2 in steps, "one step decoded the streams of both clients"
+    finally:
+        gated.go.set()
+        for client in clients:
+            client.close()
+        server.close()
+
+
+def _stream_connection(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    sock.sendall(STREAM_HELLO)
+    assert sock.recv(len(STREAM_HELLO), socket.MSG_WAITALL) == STREAM_HELLO
+    return sock
+
+
+def _message(kind: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return MESSAGE.pack(kind, stream_id, len(payload)) + payload
+
+
+def _push(stream_id: int, codes: list[int], first_frames: int = 2) -> bytes:
+    return _message(PUSH, stream_id, PUSH_HEAD.pack(0, first_frames) + struct.pack(f"<{len(codes)}h", *codes))
+
+
+def _read_message(sock: socket.socket) -> tuple[int, int, bytes]:
+    kind, stream_id, size = MESSAGE.unpack(sock.recv(MESSAGE.size, socket.MSG_WAITALL))
+    return kind, stream_id, sock.recv(size, socket.MSG_WAITALL) if size else b""
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:  # closed with our unread bytes in its buffer
+        return True
+
+
+@pytest.mark.parametrize(("message", "error"), [
+    (_message(9, 1), "unknown message kind 9"),
+    (_message(OPEN, 1, b"xxxx"), "message kind 1 with 4 payload bytes"),
+    (_message(PUSH, 1, PUSH_HEAD.pack(0, 2)), "message kind 2 with 8 payload bytes"),  # no frames
+    (MESSAGE.pack(PUSH, 1, 1 << 31), "message kind 2 with 2147483648 payload bytes"),  # refused before it is read
+    (_message(FINISH, 1), "message kind 3 with 0 payload bytes"),
+], ids=["unknown-kind", "open-with-payload", "push-without-frames", "oversized", "finish-without-lead"])
+def test_a_connection_that_breaks_the_stream_protocol_gets_an_error_and_others_go_on(
+        snac_weights: Any, server_path: Path, message: bytes, error: str) -> None:
+    server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+    try:
+        with _stream_connection(server_path) as sock:
+            sock.sendall(_message(OPEN, 1) + message)
+            kind, stream_id, text = _read_message(sock)
+            assert (kind, stream_id) == (ERROR, ALL_STREAMS) and error in text.decode()
+            assert _closed(sock), "the server closes a connection that broke the protocol"
+        free = server.decoder.snac._free
+        deadline = threading.Event()
+        while len(free) < STREAM_SLOTS and not deadline.wait(0.01):  # its open stream was released
+            pass
+        with _stream_connection(server_path) as sock:  # another connection is served
+            sock.sendall(_message(OPEN, 2) + _push(2, list(range(7))) + _message(FINISH, 2, struct.pack("<i", 0)))
+            assert _read_message(sock)[0] == CHUNK
+    finally:
+        server.close()
+
+
+def test_a_bad_stream_fails_alone_and_its_connection_goes_on(snac_weights: Any, server_path: Path) -> None:
+    server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+    try:
+        with _stream_connection(server_path) as sock:
+            sock.sendall(b"".join([
+                _message(OPEN, 1), _push(1, [5000, 0, 0, 0, 0, 0, 0]),  # a code out of range
+                _push(7, [0] * 7),  # never opened
+                _message(OPEN, 2), _message(OPEN, 2),  # opened twice
+                _message(OPEN, 3), _push(3, [0] * 7, first_frames=0),
+                _message(RELEASE, 8),  # releasing an unknown stream is nothing
+                _message(OPEN, 4), _push(4, list(itertools.chain(*make_frames(2, seed=4)))),
+                _message(FINISH, 4, struct.pack("<i", 250)),
+            ]))
+            errors: dict[int, str] = {}
+            samples = 0
+            while (message := _read_message(sock))[0] != END:
+                kind, stream_id, payload = message
+                if kind == ERROR:
+                    errors[stream_id] = payload.decode()
+                else:
+                    assert (kind, stream_id) == (CHUNK, 4)
+                    samples += (len(payload) - LAST.size) // 2
+            assert message[1] == 4 and samples == 2 * SAMPLES_PER_FRAME, "the good stream on the same connection"
+            assert "codes in [0, 4096)" in errors[1]
+            assert errors[7] == "stream 7 is not open"
+            assert errors[2] == "stream 2 is open already"
+            assert "emit_frames in [1, 7]" in errors[3]
+            assert set(errors) == {1, 2, 3, 7}
+        free = server.decoder.snac._free
+        deadline = threading.Event()
+        while len(free) < STREAM_SLOTS and not deadline.wait(0.01):  # the closed connection's streams released
+            pass
+        assert len(free) == STREAM_SLOTS
+    finally:
+        server.close()
+    assert not server_path.exists(), "the server removes its socket"
+
+
+async def test_each_protocol_says_so_to_a_client_of_the_other(snac: SnacModel, snac_weights: Any,
+                                                              server_path: Path) -> None:
+    server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+    try:
+        with pytest.raises(RuntimeError, match="SNAC server: this SNAC server decodes streams"):
+            decode_windows(CodecClient(server_path), windows_of(1))
+    finally:
+        server.close()
+    windows_server = start_server(snac, server_path)
+    client = CodecStreamClient(server_path)
+    try:
+        with pytest.raises(RuntimeError, match=r"does not serve streams .*bad request"):
+            await decode_stream(client, make_frames(3, seed=1))
+    finally:
+        client.close()
+        windows_server.close()
+
+
+async def test_a_stopped_server_fails_open_streams_and_the_next_stream_works_once_it_is_back(
+        snac_weights: Any, server_path: Path) -> None:
+    server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+    client = CodecStreamClient(server_path, connect_timeout_s=5)
+    try:
+        stream = client.open(lambda: 0.0)
+        client.push(stream, make_frames(4, seed=1))
+        assert isinstance(await stream.chunks.get(), tuple), "audio came"
+        server.close()  # the process died or restarts
+        while isinstance(item := await stream.chunks.get(), tuple):
+            pass
+        assert isinstance(item, RuntimeError)
+        assert str(item) == f"audio decoding failed: SNAC server at {server_path} closed the connection"
+        client.release(stream)
+        with pytest.raises(RuntimeError, match=f"audio decoding failed: SNAC server at {server_path} unreachable"):
+            await decode_stream(client, make_frames(3, seed=2))
+        server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+        assert len(await decode_stream(client, make_frames(3, seed=2))) == 3 * SAMPLES_PER_FRAME
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.engine
+async def test_the_synthesizer_speaks_through_the_shared_stream_decoder(synthesizer: Synthesizer, snac_weights: Any,
+                                                                       server_path: Path) -> None:
+    config = dataclasses.replace(synthesizer.config, snac_socket=str(server_path))
+    assert uses_stream_decoder(config) and not uses_stream_decoder(dataclasses.replace(config, snac_decoder="windows"))
+    decoder = Synthesizer.load(config).decoder
+    assert isinstance(decoder, CodecStreamClient), "snac_socket with snac_decoder stream: the shared stream decoder"
+    remote = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, decoder)
+    server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+    try:
+        stats = UtteranceStats()
+        chunks = [c async for c in remote.utterance("Spoken through the socket. Twice!", "tara", seed=4,
+                                                    stats=stats)]
+        assert stats.sentences == 2 and {c.sentence_index for c in chunks} == {0, 1}
+        assert stats.frames > 0 and stats.samples == stats.frames * SAMPLES_PER_FRAME
+        assert chunks[-1].last_of_sentence and server.decoder.stats.batches > 0
+        server.close()  # whether the client has seen its connection close yet or not: the sentence fails clearly
+        gone = r"audio decoding failed: SNAC server at .* (unreachable|closed the connection)"
+        with pytest.raises(RuntimeError, match=gone):
+            async for _ in remote.utterance("Nobody decodes this.", "tara", seed=5):
+                pass
+        await wait_until(lambda: synthesizer.engine.in_flight == 0)
+    finally:
+        decoder.close()
+        server.close()

@@ -19,13 +19,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gateway.orpheus import Frame
 from gateway.speech.codec import DecodeStats
-from gateway.speech.snac_stream import StreamHandle, StreamingSnac
+
+if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_server imports it, torch-free)
+    from gateway.speech.snac_stream import StreamHandle, StreamingSnac
 
 log = logging.getLogger(__name__)
 

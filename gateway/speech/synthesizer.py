@@ -1,6 +1,7 @@
 """Text in, 24 kHz PCM out: the one interface every front end (HTTP, WebRTC, CLI, benchmarks) uses.
 
-text -> sentences -> prompt ids -> engine token ids -> SNAC frames -> decode windows -> PCM chunks.
+text -> sentences -> prompt ids -> engine token ids -> SNAC frames -> SNAC decoder (exact stream or windows)
+-> PCM chunks.
 
 Sentences of one utterance play back to back: the next sentence's generation starts as soon as the
 previous one has finished generating (its audio is still being decoded and played), so there is no gap
@@ -31,7 +32,7 @@ from gateway.orpheus import (
 )
 from gateway.speech.checkpoints import require_checkpoint
 from gateway.speech.codec import CodeDecoder, DecodeBatcher, SnacModel, StreamWindower
-from gateway.speech.codec_server import CodecClient, CodecServerSettings
+from gateway.speech.codec_server import CodecClient, CodecServerSettings, CodecStreamClient
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.snac_stream import StreamingSnac
@@ -116,6 +117,8 @@ class UtteranceStats:
 
 
 _END = object()  # end of one sentence's chunk queue
+# The exact streaming decoder, in this process or in the shared SNAC process (`--snac-socket`): one surface.
+StreamDecoding = StreamDecoder | CodecStreamClient
 # Stream slots beyond the engine's sequences: a sentence's slot is freed only after its last audio is out, while
 # the next sentence of the same utterance may already be generating.
 STREAM_SLOT_SPARE = 64
@@ -125,13 +128,13 @@ class Synthesizer:
     """Owns the engine, the tokenizer and the SNAC decoder; hands out audio streams."""
 
     def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any,
-                 decoder: DecodeBatcher | StreamDecoder) -> None:
+                 decoder: DecodeBatcher | StreamDecoding) -> None:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.decoder = decoder
         # The exact streaming decoder when that is what decodes here; else sliding windows (`_decode`).
-        self.streams = decoder if isinstance(decoder, StreamDecoder) else None
+        self.streams = decoder if isinstance(decoder, (StreamDecoder, CodecStreamClient)) else None
         self.voices = list(config.voice_list)
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
         self._patient_lead_s = config.decode_patient_lead_ms / 1000
@@ -326,8 +329,8 @@ class Synthesizer:
 
     def _sentence_feed(self, index: int, sentence: str, stats: UtteranceStats,
                        chunks: asyncio.Queue[Any]) -> _WindowFeed | _StreamFeed:
-        """Where this sentence's frames go: the exact streaming decoder, or sliding windows (the shared SNAC
-        process of `serve --workers` decodes windows)."""
+        """Where this sentence's frames go: the exact streaming decoder (here or in the shared SNAC process), or
+        sliding windows (`snac_decoder windows`)."""
         if self.streams is not None:
             stream = self.streams.open(lambda: self._lead_s(stats))
             task = asyncio.create_task(self._decode_stream(stream, index, sentence, stats, chunks))
@@ -416,7 +419,7 @@ class _WindowFeed:
 class _StreamFeed:
     """A sentence's frames into the exact streaming decoder."""
 
-    decoder: StreamDecoder
+    decoder: StreamDecoding
     stream: DecodeStream
     task: asyncio.Task[None]
     stats: UtteranceStats
@@ -439,20 +442,28 @@ class _StreamFeed:
 
 
 def uses_stream_decoder(config: GatewayConfig) -> bool:
-    """The exact streaming decoder runs in this process unless windows are asked for or a shared SNAC process
-    decodes (`--snac-socket`: it serves windows)."""
-    return config.snac_decoder == "stream" and not config.snac_socket
+    """The exact streaming decoder decodes unless windows are asked for: in this process, or in the shared SNAC
+    process (`--snac-socket`), which then serves streams."""
+    return config.snac_decoder == "stream"
 
 
-def _stream_decoder(config: GatewayConfig) -> StreamDecoder:
+def _stream_decoder(config: GatewayConfig) -> StreamDecoding:
+    """The streaming decoder in this process, or a client of the shared one (`--snac-socket`)."""
+    if config.snac_socket:
+        return CodecStreamClient(config.snac_socket)
     snac = StreamingSnac.load(config.snac_model, config.snac_device, config.snac_dtype,
-                              max_streams=config.max_num_seqs * config.data_parallel_size + STREAM_SLOT_SPARE,
-                              capture_graphs=config.snac_cuda_graphs, max_batch=config.decode_max_batch)
+                              max_streams=_stream_slots(config), capture_graphs=config.snac_cuda_graphs,
+                              max_batch=config.decode_max_batch)
     return StreamDecoder(snac, config.decode_max_batch)
 
 
+def _stream_slots(config: GatewayConfig) -> int:
+    """Streams open at once: a sentence per engine sequence, and the spare for sentences whose audio is still out."""
+    return config.max_num_seqs * config.data_parallel_size + STREAM_SLOT_SPARE
+
+
 def _code_decoder(config: GatewayConfig) -> CodeDecoder:
-    """SNAC in this process, or a client of a shared decoder (`--snac-socket`, set by `serve --workers`)."""
+    """SNAC windows in this process, or a client of a shared decoder (`--snac-socket`, set by `serve --workers`)."""
     if config.snac_socket:
         return CodecClient(config.snac_socket)
     snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)
@@ -462,11 +473,12 @@ def _code_decoder(config: GatewayConfig) -> CodeDecoder:
 
 
 def codec_server_settings(config: GatewayConfig, path: str) -> CodecServerSettings:
-    """The shared SNAC decoder of this configuration, served on `path`."""
+    """The shared SNAC decoder of this configuration (streams or windows, as `snac_decoder`), served on `path`."""
     return CodecServerSettings(socket=path, snac_model=config.snac_model, device=config.snac_device,
                                snac_dtype=config.snac_dtype,
                                cuda_graphs=config.snac_cuda_graphs, window_lengths=tuple(_window_lengths(config)),
-                               max_batch=config.decode_max_batch)
+                               max_batch=config.decode_max_batch, decoder=config.snac_decoder,
+                               max_streams=_stream_slots(config))
 
 
 def _window_lengths(config: GatewayConfig) -> list[int]:
