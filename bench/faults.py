@@ -460,6 +460,7 @@ def summarise(fault: str, sessions: Sequence[SessionRecord], killed_at: float, t
     owned = ([s for s in sessions if s.session_id.startswith(session_prefix(0))] if fault == "worker" else [])
     done = [u for u in utterances if u.terminal == ["done"]]
     after = [u for u in done if u.sent >= killed_at]
+    before = [u for u in done if u.sent < killed_at]
     return {
         "fault": fault,
         "killed": asdict(target),
@@ -473,6 +474,8 @@ def summarise(fault: str, sessions: Sequence[SessionRecord], killed_at: float, t
         "lost_noticed_after_s": _spread([s.lost_at - killed_at for s in lost if s.lost_at is not None]),
         "utterances": len(utterances),
         "done": len(done),
+        "done_before_fault": len(before),
+        "done_before_fault_with_underruns": sum(1 for u in before if u.underruns),
         "done_after_fault": len(after),
         "done_after_fault_with_underruns": sum(1 for u in after if u.underruns),
         "errors_by_code": dict(Counter(u.error_code or "?" for u in utterances if u.terminal[:1] == ["error"])),
