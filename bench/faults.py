@@ -52,7 +52,7 @@ from gateway.devtools.client import HeadlessPeer
 
 FAULTS = ("worker", "snac", "engine")
 WORKER_MODULE = "gateway.cluster.workers"
-SNAC_MODULE = "gateway.speech.codec_server"
+SNAC_MODULE = "gateway.cluster.snac_process"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 ENGINE_CORE_NAME = "EngineCore"  # vLLM titles its engine-core process "VLLM::EngineCore"
 CONNECT_CONCURRENCY = 16

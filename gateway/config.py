@@ -121,7 +121,7 @@ class GatewayConfig:
                                "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
                                "which the GPU would time-slice; fewer underruns on an H200, docs/benchmarks.md); in "
                                "one process, as process. process: in each gateway process.")
-    snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.speech.codec_server): decode "
+    snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.cluster.snac_process): decode "
                                    "there instead of loading SNAC in this process. With --workers and "
                                    "snac_placement shared: where to serve it (default: in the workers' folder).")
     # --- text -------------------------------------------------------------------------------------

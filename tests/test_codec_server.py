@@ -247,7 +247,7 @@ def test_server_process_without_settings_exits_with_a_message() -> None:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
-    done = subprocess.run([sys.executable, "-m", "gateway.speech.codec_server"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "gateway.cluster.snac_process"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and f"{SERVER_ENV} is not set" in done.stderr
 

@@ -31,7 +31,7 @@ from gateway.rtc.session import ProtocolError
 from gateway.service.admission import AT_CAPACITY, Admission, CapacityError, TokenBucket
 from gateway.speech import codec
 from gateway.speech.codec import DecodeWindow
-from gateway.speech.engine import EngineState
+from gateway.speech.engine import ENGINE_RETRY_AFTER_S, EngineState
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import (
     EVENT_TIMEOUT_S,
@@ -583,11 +583,11 @@ async def test_engine_death_mid_utterance_reports_and_recovers(
             for pid in engine.engine_process_ids():
                 os.kill(pid, signal.SIGKILL)
             error = await peer.wait_event("error", "doomed", timeout=EVENT_TIMEOUT_S)
-            assert error["code"] == "engine_dead"
+            assert error["code"] == "engine_dead" and error["retry_after_s"] == ENGINE_RETRY_AFTER_S
             await wait_until(lambda: engine.state is not EngineState.READY, timeout=EVENT_TIMEOUT_S)
             peer.speak("while-restarting", "Are you there?")
             refused = await peer.wait_event("error", "while-restarting", timeout=EVENT_TIMEOUT_S)
-            assert refused["code"] == "engine_unavailable"
+            assert refused["code"] == "engine_unavailable" and refused["retry_after_s"] == ENGINE_RETRY_AFTER_S
             async with aiohttp.ClientSession(base_url=base) as http, \
                     http.post("/v1/audio/speech", json={"input": "Hi."}) as resp:
                 await error_of(resp, 503, "engine_unavailable")

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -387,7 +388,7 @@ async def test_serve_cli_with_vllm_url(vllm_server: VllmServer, tiny_model_dir: 
 @pytest.mark.engine
 async def test_server_killed_mid_stream_fails_clearly_and_comes_back(remote_synth: Synthesizer,
                                                                      vllm_server: VllmServer) -> None:
-    """Last: kill the real server (API server and engine core) mid-utterance, then start it on the same port."""
+    """Kill the real server (API server and engine core) mid-utterance, then start it on the same port."""
     engine = remote_synth.engine
     app = create_app(remote_synth.config, remote_synth, webrtc=False)
     async with TestClient(TestServer(app)) as client:
@@ -416,3 +417,27 @@ async def test_server_killed_mid_stream_fails_clearly_and_comes_back(remote_synt
         metrics = await (await client.get("/metrics")).text()
         assert "orpheus_engine_ready 1.0" in metrics and "orpheus_engine_restarts_total 1.0" in metrics
         await speak(remote_synth, "Back again.", seed=14)
+
+
+@pytest.mark.engine
+async def test_engine_core_killed_mid_stream_is_engine_dead(remote_synth: Synthesizer,
+                                                            vllm_server: VllmServer) -> None:
+    """Last: SIGKILL of `vllm serve`'s engine core only (what an OOM kill or a GPU fault does): vLLM reports it inside
+    the stream (an error event, code 500) and shuts its API server down. The utterance ends `engine_dead`, not as
+    a bug (`engine_error`: found by bench.faults on an H200), and the restarted server serves again."""
+    assert vllm_server.proc is not None
+    (core,) = [p for p in psutil.Process(vllm_server.proc.pid).children(recursive=True)
+               if "EngineCore" in p.name()]
+    stats = UtteranceStats()
+    consumer = asyncio.create_task(drain(remote_synth.utterance(LONG_TEXT, "tara", max_tokens=700,
+                                                                seed=LONG_SEED, stats=stats)))
+    await wait_until(lambda: stats.tokens > 0)
+    core.kill()
+    with pytest.raises(EngineDeadError) as info:
+        await consumer
+    assert stats.tokens < LONG_TOKENS, "killed mid-stream"
+    assert info.value.code == "engine_dead", info.value
+    vllm_server.kill()  # what is left of it; under `serve --workers` the supervisor restarts it
+    vllm_server.start()
+    await remote_synth.engine.wait_ready(timeout=SERVER_START_TIMEOUT_S)
+    await speak(remote_synth, "Back again.", seed=14)

@@ -84,7 +84,7 @@ def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, roo
            # the server's own settings (conftest): each worker warms it up once, with a burst it can batch
            "--max-num-seqs", str(vllm_server.config.max_num_seqs), "--warmup-batch-sizes", "2",
            "--jitter-buffer-ms", "0", "--log-level", "warning",
-           "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.speech.codec_server)
+           "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.cluster.snac_process)
     log = root / "serve.log"
     return Workers(_start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log), port, sockets, log)
 
@@ -163,6 +163,10 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
     assert set(opened) == {"w0", "w1"} and sum(opened.values()) >= len(peers)
     answered = {s.labels["state"]: s.value for s in families["orpheus_metrics_workers"].samples}
     assert answered == {"answered": WORKERS, "expected": WORKERS}
+    # ... and the shared SNAC process's decode passes, which it made for both workers' sessions.
+    passes = {s.labels["worker"]: s.value for s in families["orpheus_snac_batch_size"].samples
+              if s.name.endswith("_count")}
+    assert passes["snac"] > 0 and passes.get("w0", 0) == 0 and passes.get("w1", 0) == 0, passes
 
 
 async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
@@ -179,13 +183,13 @@ async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
 
 
 async def test_one_snac_process_decodes_for_every_worker_and_is_restarted(workers: Workers) -> None:
-    """--snac-placement shared: the workers load no SNAC; one `gateway.speech.codec_server` child decodes for both
+    """--snac-placement shared: the workers load no SNAC; one `gateway.cluster.snac_process` child decodes for both
     (the sessions test above spoke through it). Killed, it is restarted and speech goes on."""
-    (snac_pid,) = workers.worker_pids("gateway.speech.codec_server")
+    (snac_pid,) = workers.worker_pids("gateway.cluster.snac_process")
     assert (workers.sockets / SNAC_SOCKET_NAME).is_socket()
     os.kill(snac_pid, signal.SIGKILL)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not (restarted := [p for p in workers.worker_pids("gateway.speech.codec_server") if p != snac_pid]):
+    while not (restarted := [p for p in workers.worker_pids("gateway.cluster.snac_process") if p != snac_pid]):
         assert time.monotonic() < deadline, f"no new SNAC server:\n{workers.log_tail()}"
         await asyncio.sleep(0.5)
     peer = HeadlessPeer(workers.url, jitter_buffer_ms=0)
@@ -243,7 +247,7 @@ def test_fault_bench_kills_the_snac_process_and_every_utterance_ends_once(worker
 
 
 async def test_sigterm_stops_the_supervisor_and_its_workers(workers: Workers) -> None:
-    pids = workers.worker_pids() + workers.worker_pids("gateway.speech.codec_server")
+    pids = workers.worker_pids() + workers.worker_pids("gateway.cluster.snac_process")
     assert len(pids) == WORKERS + 1
     workers.proc.send_signal(signal.SIGTERM)
     assert workers.proc.wait(timeout=60) == 0
@@ -259,7 +263,7 @@ async def test_children_stop_when_the_supervisor_is_killed(vllm_server: VllmServ
     children: list[int] = []
     try:
         await running.wait_all_ready()
-        children = running.worker_pids() + running.worker_pids("gateway.speech.codec_server")
+        children = running.worker_pids() + running.worker_pids("gateway.cluster.snac_process")
         assert len(children) == WORKERS + 1
         running.proc.kill()
         running.proc.wait(timeout=30)

@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.cluster.snac_process import SNAC_LABEL, metrics_socket_path
 from gateway.config import GatewayConfig, validate
 from gateway.edge.http import GATEWAY_KEY, json_error
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -139,7 +140,8 @@ async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResp
 
 async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamResponse:
     """This worker's metrics and every other worker's (asked over their Unix sockets), each sample labelled
-    with its worker; a worker that does not answer is left out (`orpheus_metrics_workers` says how many did)."""
+    with its worker, and the shared SNAC process's (`worker="snac"`); a process that does not answer is left out
+    (`orpheus_metrics_workers` says how many workers did)."""
     local = await handler(request)
     gateway = request.app[GATEWAY_KEY]
     own = gateway.session_id_prefix.strip("-")
@@ -149,19 +151,25 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
     headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
     headers[FORWARDED_HEADER] = own
     others = await asyncio.to_thread(lambda: sorted(p for p in Path(folder).glob("w*.sock") if p.stem != own))
+    sources = {p.stem: p for p in others}
+    snac_socket = gateway.config.snac_socket
+    if snac_socket and await asyncio.to_thread(metrics_socket_path(snac_socket).exists):
+        sources[SNAC_LABEL] = metrics_socket_path(snac_socket)  # the shared SNAC process: its decode passes
 
-    async def fetch(path: Path) -> tuple[str, str | None]:
+    async def fetch(name: str, path: Path) -> tuple[str, str | None]:
         try:
             async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)),
                                              timeout=aiohttp.ClientTimeout(METRICS_FETCH_TIMEOUT_S)) as http, \
                     http.get(f"http://worker{METRICS_PATH}", headers=headers) as resp:
-                return path.stem, (await resp.text()) if resp.status == 200 else None
+                return name, (await resp.text()) if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return path.stem, None
+            return name, None
 
     texts = {own: bytes(local.body).decode()}  # type: ignore[arg-type]
-    texts.update({name: text for name, text in await asyncio.gather(*(fetch(p) for p in others)) if text})
-    body = merge_worker_expositions(texts, expected=len(others) + 1)
+    texts.update({name: text for name, text in await asyncio.gather(*(fetch(n, p) for n, p in sources.items()))
+                  if text})
+    body = merge_worker_expositions(texts, expected=len(others) + 1,
+                                    answered=sum(1 for name in texts if name != SNAC_LABEL))
     response = web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
     response.headers[WORKER_HEADER] = own
     return response
@@ -262,7 +270,7 @@ class Supervisor:
         if config.snac_placement == "shared":  # one SNAC process decodes for every worker
             snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
             codec_env = codec_server_env(codec_server_settings(config, snac_socket))
-            self.children.append(Child("snac server", [sys.executable, "-m", "gateway.speech.codec_server"],
+            self.children.append(Child("snac server", [sys.executable, "-m", "gateway.cluster.snac_process"],
                                        {**os.environ, **codec_env}))
         if not urls:
             port = config.vllm_port or free_port()

@@ -32,7 +32,7 @@ from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.media.stretch import SPEECH_SPEED_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, build_prompt, split_sentences
 from gateway.service.admission import CapacityError
-from gateway.speech.engine import EngineDeadError, EngineUnavailableError
+from gateway.speech.engine import ENGINE_RETRY_AFTER_S, EngineDeadError, EngineUnavailableError
 from gateway.speech.synthesizer import AudioChunk, InvalidRequestError, Synthesizer, UtteranceStats
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ DEFAULT_FORMAT = "wav"
 STREAM_FORMATS = ("audio", "sse")
 SSE_CONTENT_TYPE = "text/event-stream"
 MAX_SEED = 2**63 - 1  # vLLM seeds a 64-bit generator
-ENGINE_RETRY_AFTER_S = 5  # an engine (re)start takes tens of seconds; ask again soon, not in a tight loop
 # Encoding these (and any speed change) costs CPU: it runs in a worker thread, off the event loop every stream
 # and session shares. wav and pcm at speed 1 are a copy of the samples.
 CODED_FORMATS = frozenset({"mp3", "opus", "aac", "flac"})
@@ -245,7 +244,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
             first = None
         except (EngineUnavailableError, EngineDeadError) as exc:  # (re)starting: worth retrying shortly
             metrics.speech_requests_total.labels("503").inc()
-            return openai_error(503, exc.code, str(exc), headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+            return openai_error(503, exc.code, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
         except RuntimeError as exc:  # another engine error, or the SNAC worker failed this request's batch
             metrics.speech_requests_total.labels("500").inc()
             log.warning("speech request failed before its first audio: %s", exc)

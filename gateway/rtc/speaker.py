@@ -13,7 +13,7 @@ from gateway.rtc.lesson import Lesson, play_recording
 from gateway.rtc.services import SessionServices
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import CapacityError
-from gateway.speech.engine import EngineError
+from gateway.speech.engine import EngineError, EngineUnavailableError
 from gateway.speech.synthesizer import InvalidRequestError, UtteranceStats
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class Speaker:
             return
         synthesizer = self.services.synthesizer()
         if synthesizer is None:
-            self._fail(utterance, "engine_unavailable", "the speech engine is still starting")
+            self._fail(utterance, EngineUnavailableError.code, "the speech engine is still starting",
+                       retry_after_s=EngineUnavailableError.retry_after_s)
             return
         feed = self.lesson.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
         utterance.stats = stats = UtteranceStats(started=utterance.received_at)
@@ -110,7 +111,8 @@ class Speaker:
         except (EngineError, InvalidRequestError, RuntimeError) as exc:
             # RuntimeError: the SNAC worker failed this utterance's decode batch.
             log.warning("%s: utterance %s failed: %s", self.worker.get_name(), utterance.id, exc)
-            self._fail(utterance, getattr(exc, "code", "synthesis_failed"), str(exc))
+            self._fail(utterance, getattr(exc, "code", "synthesis_failed"), str(exc),
+                       retry_after_s=getattr(exc, "retry_after_s", None))
         except Exception:  # a bug must cost one utterance (reported), never the session's worker
             log.exception("%s: utterance %s failed", self.worker.get_name(), utterance.id)
             self._fail(utterance, "internal_error", "the utterance could not be synthesised")

@@ -25,6 +25,34 @@ WORKER_LABEL = "worker"
 METRICS_PATH = "/metrics"
 
 
+class SnacMetrics:
+    """The SNAC decoder's passes: in a gateway's registry, or alone in the shared SNAC process of `serve --workers`
+    (`gateway.cluster.snac_process`), whose metrics the workers' `/metrics` gathers with theirs."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = self.registry = registry
+        self.snac_batch_size = Histogram("orpheus_snac_batch_size", "Streams (or windows) per SNAC forward pass.",
+                                         buckets=BATCH_BUCKETS, registry=r)
+        self.snac_batch_seconds = Histogram("orpheus_snac_batch_seconds", "Duration of one SNAC pass.",
+                                            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.snac_windows_total = Counter("orpheus_snac_windows_total", "Windows SNAC decoded, by window length "
+                                          "in frames (the exact stream decoder: 1, one frame per stream and "
+                                          "pass).", ["frames"], registry=r)
+        self.snac_new_frames_total = Counter("orpheus_snac_new_frames_total", "Audio frames SNAC emitted; frames "
+                                             "decoded (sum of windows x length) / this = recomputation.", registry=r)
+
+    def observe_decode_batch(self, size: int, seconds: float, window_frames: int, new_frames: int) -> None:
+        """Called from the SNAC worker thread after each pass (`size` windows of `window_frames` frames each);
+        prometheus-client metrics are thread safe."""
+        self.snac_batch_size.observe(size)
+        self.snac_batch_seconds.observe(seconds)
+        self.snac_windows_total.labels(frames=str(window_frames)).inc(size)
+        self.snac_new_frames_total.inc(new_frames)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -51,14 +79,7 @@ class Metrics:
         self.engine_ready = Gauge("orpheus_engine_ready", "1 when the engine can serve.", registry=r)
         self.engine_restarts_total = Counter("orpheus_engine_restarts_total", "Engine restarts after death.",
                                              registry=r)
-        self.snac_batch_size = Histogram("orpheus_snac_batch_size", "Windows per SNAC forward pass.",
-                                         buckets=BATCH_BUCKETS, registry=r)
-        self.snac_batch_seconds = Histogram("orpheus_snac_batch_seconds", "Duration of one SNAC pass.",
-                                            buckets=LATENCY_BUCKETS_S, registry=r)
-        self.snac_windows_total = Counter("orpheus_snac_windows_total", "Windows SNAC decoded, by window length "
-                                          "in frames (adaptive hop: longer under load).", ["frames"], registry=r)
-        self.snac_new_frames_total = Counter("orpheus_snac_new_frames_total", "Audio frames SNAC emitted; frames "
-                                             "decoded (sum of windows x length) / this = recomputation.", registry=r)
+        self.snac = SnacMetrics(r)  # empty under `serve --workers`: the shared SNAC process reports them
         self.tokens_total = Counter("orpheus_audio_tokens_total", "Tokens generated (rate = tokens/s).",
                                     registry=r)
         self.audio_seconds_total = Counter("orpheus_audio_seconds_total", "Audio produced.", registry=r)
@@ -82,12 +103,7 @@ class Metrics:
             self.rtf.observe(synthesis_s / audio_s)
 
     def observe_decode_batch(self, size: int, seconds: float, window_frames: int, new_frames: int) -> None:
-        """Called from the SNAC worker thread after each pass (`size` windows of `window_frames` frames each);
-        prometheus-client metrics are thread safe."""
-        self.snac_batch_size.observe(size)
-        self.snac_batch_seconds.observe(seconds)
-        self.snac_windows_total.labels(frames=str(window_frames)).inc(size)
-        self.snac_new_frames_total.inc(new_frames)
+        self.snac.observe_decode_batch(size, seconds, window_frames, new_frames)
 
     def track_in_flight(self, read: Callable[[], float]) -> None:
         self.engine_in_flight.set_function(read)
@@ -106,10 +122,12 @@ class _Families:
         return self._families
 
 
-def merge_worker_expositions(texts: Mapping[str, str], expected: int | None = None) -> bytes:
+def merge_worker_expositions(texts: Mapping[str, str], expected: int | None = None,
+                             answered: int | None = None) -> bytes:
     """One exposition of several gateway processes' metrics (`serve --workers`), each sample labelled
     `worker="<name>"`: `sum by (...)` in Prometheus gives the gateway-wide figure. With `expected`, also
-    `orpheus_metrics_workers{state}`: how many workers there are and how many answered."""
+    `orpheus_metrics_workers{state}`: how many workers there are and how many answered (`answered`: when
+    `texts` also holds a process that is not a worker, the shared SNAC process)."""
     merged: dict[str, Metric] = {}
     for worker, text in texts.items():
         for family in text_string_to_metric_families(text):
@@ -121,7 +139,7 @@ def merge_worker_expositions(texts: Mapping[str, str], expected: int | None = No
     if expected is not None:
         workers = GaugeMetricFamily("orpheus_metrics_workers", "Gateway workers (Unix sockets) and how many "
                                     "answered here.", labels=["state"])
-        workers.add_metric(["answered"], len(texts))
+        workers.add_metric(["answered"], len(texts) if answered is None else answered)
         workers.add_metric(["expected"], expected)
         merged[workers.name] = workers
     return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 Why: every process that runs CUDA kernels has its own CUDA context, and the GPU time-slices between contexts
 instead of running their kernels side by side. With SNAC in each gateway worker and the model in vLLM's
 engine-core process, generation slowed 2x at 384 streams on an H200 (docs/benchmarks.md). A codec server is
-one context and one batch for all workers (`--snac-placement shared`: `python -m gateway.speech.codec_server`,
+one context and one batch for all workers (`--snac-placement shared`: `python -m gateway.cluster.snac_process`,
 started by the supervisor; measured: fewer underruns than a decoder per worker). Running it inside vLLM's
 engine-core process instead (a vLLM plugin, sharing the model's CUDA context) measured slower at every load on an
 H200 and was removed: the GPU runs the sum of both workloads wherever SNAC is placed (docs/benchmarks.md).
@@ -43,13 +43,10 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import queue
 import shutil
-import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -709,35 +706,5 @@ def load_server(settings: CodecServerSettings) -> CodecServer | StreamCodecServe
 
 
 def codec_server_env(settings: CodecServerSettings) -> dict[str, str]:
-    """Environment of the shared SNAC process (`python -m gateway.speech.codec_server`)."""
+    """Environment of the shared SNAC process (`python -m gateway.cluster.snac_process`)."""
     return {SERVER_ENV: settings.to_env()}
-
-
-def serve_from_env() -> CodecServer | StreamCodecServer | None:
-    """Start the server SERVER_ENV describes, if set."""
-    text = os.environ.get(SERVER_ENV)
-    if not text:
-        return None
-    server = load_server(CodecServerSettings.from_env(text))
-    server.start()
-    return server
-
-
-def main() -> int:
-    """`python -m gateway.speech.codec_server`: the shared SNAC process of `serve --workers --snac-placement shared`
-    (the supervisor sets SERVER_ENV); serves until SIGTERM or SIGINT."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s snac-server %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    server = serve_from_env()
-    if server is None:
-        log.error("%s is not set: nothing to serve", SERVER_ENV)
-        return 2
-    stop.wait()
-    server.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -327,7 +327,7 @@ class RemoteEngine(EngineBase):
             except ValueError as exc:
                 raise EngineError(f"the vLLM server {server.url} sent an unreadable event: {payload[:100]!r}") from exc
             if "error" in event:
-                raise EngineError(f"the vLLM server {server.url} failed this request: {_error_text(event)}")
+                raise self._stream_error(server, event)
             for choice in event.get("choices") or ():
                 if choice.get("token_ids"):
                     yield choice["token_ids"]
@@ -339,6 +339,20 @@ class RemoteEngine(EngineBase):
         if not finished:
             self._take_out(server, "a stream ended before its request finished")
             raise EngineDeadError(f"the vLLM server {server.url} stopped during this request")
+
+
+    def _stream_error(self, server: RemoteServer, event: dict[str, Any]) -> EngineError:
+        """An error event inside the stream: vLLM sends one when the request fails after its 200, with an HTTP
+        status as `code`. 4xx: this request was wrong. Anything else is the server failing, most often its engine
+        core dying (vLLM then shuts the API server down): out of rotation until its health checks pass, and the
+        utterance ends `engine_dead`, as when the stream breaks."""
+        text = _error_text(event)
+        error = event.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        if isinstance(code, int) and 400 <= code < 500:
+            return EngineRequestError(f"the vLLM server refused the request: {text}")
+        self._take_out(server, f"failed a request mid-stream: {text}")
+        return EngineDeadError(f"the vLLM server {server.url} failed during this request: {text}")
 
 
 async def _error_message(response: aiohttp.ClientResponse) -> str:

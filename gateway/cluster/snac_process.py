@@ -1,0 +1,76 @@
+"""The shared SNAC process of `serve --workers` (`python -m gateway.cluster.snac_process`; the supervisor starts
+and restarts it): the codec server its settings describe (`gateway.speech.codec_server`, settings as JSON in
+ORPHEUS_GATEWAY_SNAC_SERVER), and that decoder's metrics (`SnacMetrics`: passes, batch sizes, pass durations) on a
+Unix socket beside the codec socket (`metrics_socket_path`). SNAC is the pipeline's main GPU cost, so its batching
+must be visible where the decoding happens: the workers' `/metrics` gathers these with their own, labelled
+`worker="snac"`. (The windows server, `--snac-decoder windows`, reports no passes.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from gateway.service.metrics import CONTENT_TYPE, METRICS_PATH, SnacMetrics
+from gateway.speech.codec_server import SERVER_ENV, CodecServerSettings, StreamCodecServer, load_server
+
+log = logging.getLogger(__name__)
+
+SNAC_LABEL = "snac"  # the worker label of its samples in the merged /metrics
+
+
+def metrics_socket_path(snac_socket: str | Path) -> Path:
+    """Where the SNAC process behind `snac_socket` serves its metrics."""
+    path = Path(snac_socket)
+    return path.with_name(f"{path.stem}-metrics.sock")
+
+
+async def serve(settings: CodecServerSettings) -> None:
+    """Decode for every worker and answer `GET /metrics` until SIGTERM or SIGINT."""
+    metrics = SnacMetrics(CollectorRegistry())
+    server = await asyncio.to_thread(load_server, settings)  # loads SNAC and captures its graphs: seconds
+    if isinstance(server, StreamCodecServer):
+        server.decoder.on_batch = metrics.observe_decode_batch
+    server.start()
+
+    async def render(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application()
+    app.router.add_get(METRICS_PATH, render)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    path = metrics_socket_path(settings.socket)
+    path.unlink(missing_ok=True)  # a server of an earlier process
+    await web.UnixSite(runner, str(path)).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        path.unlink(missing_ok=True)
+        await asyncio.to_thread(server.close)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s snac-server %(message)s")
+    text = os.environ.get(SERVER_ENV)
+    if not text:
+        log.error("%s is not set: nothing to serve", SERVER_ENV)
+        return 2
+    asyncio.run(serve(CodecServerSettings.from_env(text)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
