@@ -236,7 +236,7 @@ def test_fault_bench_kills_the_snac_process_and_every_utterance_ends_once(worker
     out = tmp_path / "faults"
     argv = ["--gateway-url", workers.url, "--supervisor-pid", str(workers.proc.pid), "--sockets",
             str(workers.sockets), "--faults", "snac", "--peers", "2", "--client-processes", "1", "--before-s", "3",
-            "--after-s", "8", "--out", str(out)]
+            "--after-s", "16", "--out", str(out)]
     assert main(argv) == 0, (out / "faults.json").read_text()
     (phase,) = json.loads((out / "faults.json").read_text())["phases"]
     assert phase["killed"]["kind"] == "snac" and phase["sessions"] == 2
