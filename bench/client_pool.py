@@ -11,10 +11,11 @@ records come back through a pipe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -25,6 +26,33 @@ from bench.settings import BenchOptions
 
 START_MARGIN_S = 0.05  # the start time lies this far ahead, so every process gets the message first
 CHILD_EXIT_TIMEOUT_S = 10.0
+
+
+def spawn_children(target: Callable[[Connection], None], count: int, name: str
+                   ) -> tuple[list[Connection], list[Any]]:
+    """`count` spawned processes running `target(pipe end)`: the parent's pipe ends and the processes."""
+    context = multiprocessing.get_context("spawn")
+    conns: list[Connection] = []
+    procs: list[Any] = []
+    for index in range(count):
+        parent, child = context.Pipe()
+        proc = context.Process(target=target, args=(child,), name=f"{name}-{index}", daemon=True)
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    return conns, procs
+
+
+def stop_children(conns: Sequence[Connection], procs: Sequence[Any]) -> None:
+    """Ask each child to exit ("exit" message), then kill what is still running after CHILD_EXIT_TIMEOUT_S."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(("exit",))
+    for proc in procs:
+        proc.join(CHILD_EXIT_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
 
 
 class ClientPool:
@@ -38,27 +66,12 @@ class ClientPool:
         self._procs: list[Any] = []
 
     async def __aenter__(self) -> ClientPool:
-        context = multiprocessing.get_context("spawn")
-        for index in range(self.size):
-            parent, child = context.Pipe()
-            proc = context.Process(target=_child_main, args=(child,), name=f"bench-clients-{index}", daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        self._conns, self._procs = spawn_children(_child_main, self.size, "bench-clients")
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        for conn in self._conns:
-            try:
-                conn.send(("exit",))
-            except OSError:
-                pass
-        for proc in self._procs:
-            await asyncio.to_thread(proc.join, CHILD_EXIT_TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
+        await asyncio.to_thread(stop_children, self._conns, self._procs)
 
     @property
     def pids(self) -> list[int]:

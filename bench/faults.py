@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -45,6 +44,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from bench.client_pool import spawn_children, stop_children
 from bench.corpus import select
 from bench.machine import machine_info
 from gateway.cluster.workers import WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
@@ -62,7 +62,6 @@ PROBE_INTERVAL_S = 1.0
 PROBE_TEXT = "Good morning, everyone."
 ERROR_BACKOFF_S = 1.0  # a client's pause after an `error` without retry_after_s
 SETTLE_S = 5.0  # after the peers are gone, before the idle resources are read
-CHILD_EXIT_TIMEOUT_S = 10.0
 LANGUAGE = "en"
 
 
@@ -310,24 +309,11 @@ class FaultClients:
         self._procs: list[Any] = []
 
     def __enter__(self) -> FaultClients:
-        context = multiprocessing.get_context("spawn")
-        for index in range(self.size):
-            parent, child = context.Pipe()
-            proc = context.Process(target=_child_main, args=(child,), name=f"fault-clients-{index}", daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        self._conns, self._procs = spawn_children(_child_main, self.size, "fault-clients")
         return self
 
     def __exit__(self, *_: object) -> None:
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.send(("exit",))
-        for proc in self._procs:
-            proc.join(CHILD_EXIT_TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
+        stop_children(self._conns, self._procs)
 
     async def _all(self, message: tuple[Any, ...] | None, expect: str,
                    messages: Sequence[tuple[Any, ...]] | None = None) -> list[tuple[Any, ...]]:

@@ -244,6 +244,15 @@ async def drain(stream: AsyncIterator[object]) -> None:
         pass
 
 
+async def long_utterance_under_way(synth: Synthesizer) -> tuple[asyncio.Task[None], UtteranceStats]:
+    """LONG_TEXT being synthesised, its first ids already in: the task to await and its stats."""
+    stats = UtteranceStats()
+    task = asyncio.create_task(drain(synth.utterance(LONG_TEXT, "tara", max_tokens=700, seed=LONG_SEED,
+                                                     stats=stats)))
+    await wait_until(lambda: stats.tokens > 0)
+    return task, stats
+
+
 @pytest.mark.engine
 async def test_closing_the_stream_aborts_the_request_on_the_server(remote_synth: Synthesizer,
                                                                    vllm_server: VllmServer) -> None:
@@ -267,12 +276,9 @@ async def test_closing_the_stream_aborts_the_request_on_the_server(remote_synth:
 @pytest.mark.engine
 async def test_cancelled_task_aborts_the_request_on_the_server(remote_synth: Synthesizer,
                                                                vllm_server: VllmServer) -> None:
-    stats = UtteranceStats()
     before = await vllm_server.metric(GENERATED)
-    task = asyncio.create_task(drain(remote_synth.utterance(LONG_TEXT, "tara", max_tokens=700, seed=LONG_SEED,
-                                                            stats=stats)))
     # Ids arriving, not audio: on two shared cores the first audio can come after the generation ended.
-    await wait_until(lambda: stats.tokens > 0)
+    task, _ = await long_utterance_under_way(remote_synth)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -393,10 +399,7 @@ async def test_server_killed_mid_stream_fails_clearly_and_comes_back(remote_synt
     app = create_app(remote_synth.config, remote_synth, webrtc=False)
     async with TestClient(TestServer(app)) as client:
         assert (await client.get("/readyz")).status == 200
-        stats = UtteranceStats()
-        consumer = asyncio.create_task(drain(remote_synth.utterance(LONG_TEXT, "tara", max_tokens=700,
-                                                                    seed=LONG_SEED, stats=stats)))
-        await wait_until(lambda: stats.tokens > 0)
+        consumer, stats = await long_utterance_under_way(remote_synth)
         vllm_server.kill()
         with pytest.raises(EngineDeadError) as info:
             await consumer
@@ -428,10 +431,7 @@ async def test_engine_core_killed_mid_stream_is_engine_dead(remote_synth: Synthe
     assert vllm_server.proc is not None
     (core,) = [p for p in psutil.Process(vllm_server.proc.pid).children(recursive=True)
                if "EngineCore" in p.name()]
-    stats = UtteranceStats()
-    consumer = asyncio.create_task(drain(remote_synth.utterance(LONG_TEXT, "tara", max_tokens=700,
-                                                                seed=LONG_SEED, stats=stats)))
-    await wait_until(lambda: stats.tokens > 0)
+    consumer, stats = await long_utterance_under_way(remote_synth)
     core.kill()
     with pytest.raises(EngineDeadError) as info:
         await consumer

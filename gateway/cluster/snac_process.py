@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from gateway.cluster.lifecycle import until_stop_signal
 from gateway.service.metrics import CONTENT_TYPE, METRICS_PATH, SnacMetrics
 from gateway.speech.codec_server import SERVER_ENV, CodecServerSettings, StreamCodecServer, load_server
 
@@ -50,12 +50,8 @@ async def serve(settings: CodecServerSettings) -> None:
     path = metrics_socket_path(settings.socket)
     path.unlink(missing_ok=True)  # a server of an earlier process
     await web.UnixSite(runner, str(path)).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_stop_signal()
     finally:
         await runner.cleanup()
         path.unlink(missing_ok=True)

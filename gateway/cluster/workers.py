@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.cluster.lifecycle import until_stop_signal
 from gateway.cluster.snac_process import SNAC_LABEL, metrics_socket_path
 from gateway.config import GatewayConfig, validate
 from gateway.edge.http import GATEWAY_KEY, json_error
@@ -189,12 +190,8 @@ async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
         path.unlink()
     await web.UnixSite(runner, str(path)).start()
     log.info("worker %d (pid %d) serving on %s:%d", index, os.getpid(), config.host, config.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_stop_signal()
     finally:
         await runner.cleanup()
 
