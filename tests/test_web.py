@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,21 @@ async def test_stop_cancels_a_long_text_and_disconnect_ends_the_session(page: An
     await page.click("#disconnect")
     await page.wait_for_selector('body[data-state="disconnected"]')
     await wait_until(lambda: session_id not in sessions, timeout=10)
+
+
+async def test_a_server_gone_silent_is_noticed_within_seconds(page: Any, server: TestServer) -> None:
+    """A server that stops answering without closing anything, as a killed gateway worker does (bench.faults: its
+    clients noticed only through ICE consent checks, after ~31 s): the page's pings go unanswered, and within
+    three ping intervals it drops the peer and says so."""
+    await connect(page)
+    session_id = await page.evaluate("window.__app.connection.sessionId")
+    session = server.app[GATEWAY_KEY].sessions.sessions[session_id]
+    session.send = lambda *_: None  # type: ignore[method-assign]  # it hears the pings, answers nothing
+    muted_at = time.monotonic()
+    await page.wait_for_selector('body[data-state="disconnected"]', timeout=20_000)
+    assert time.monotonic() - muted_at < 10
+    assert "stopped answering" in await page.text_content("#error")
+    assert await page.is_enabled("#connect")
 
 
 async def test_unknown_voice_shows_the_servers_message(page: Any) -> None:

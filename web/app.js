@@ -117,9 +117,11 @@ async function connect() {
   conn.addEventListener('track', ({ detail }) => onTrack(detail.stream));
   conn.addEventListener('message', ({ detail }) => onMessage(detail.msg));
   conn.addEventListener('state', ({ detail }) => onPeerState(conn, detail.state));
-  conn.addEventListener('closed', () => {
+  conn.addEventListener('closed', ({ detail }) => {
     if (connection !== conn) return;
-    showError('The lesson connection was closed by the server. Press Connect to continue.');
+    showError(detail.reason === 'silent'
+      ? 'The tutor stopped answering (the server may have restarted). Press Connect to continue.'
+      : 'The lesson connection was closed by the server. Press Connect to continue.');
     teardown();
   });
   try {

@@ -1,7 +1,11 @@
 // One WebRTC session with the gateway: a non-trickle offer/answer over HTTP, then the `control`
-// data channel for speak/repeat/cancel/played/ping. Emits: `track` {stream}, `message` {msg}, `state` {state}, `closed`.
+// data channel for speak/repeat/cancel/played/ping. Emits: `track` {stream}, `message` {msg}, `state` {state},
+// `closed` {reason: 'silent' when the server stopped answering, else none}.
 
 const PING_INTERVAL_MS = 2000; // the gateway treats these pings as a heartbeat
+// Nothing heard on the data channel for this long (three pings unanswered): the server is gone without a word.
+// A killed gateway worker closes nothing; ICE consent checks notice it only after ~30 s (bench.faults).
+const SERVER_SILENT_MS = 6500;
 const MAX_WIRE_RECORDS = 200;
 const ICE_GATHERING_TIMEOUT_MS = 5000;
 const ICE_SERVERS_TIMEOUT_MS = 5000;
@@ -74,6 +78,7 @@ export class TutorConnection extends EventTarget {
     this.sessionId = null;
     this.wire = []; // {direction: offer|sent|received, message}, the last MAX_WIRE_RECORDS
     this._pingTimer = null;
+    this._lastHeard = 0; // performance.now() of the last message from the server
     this._closed = false;
   }
 
@@ -169,9 +174,25 @@ export class TutorConnection extends EventTarget {
 
   _startPing() {
     this._stopPing();
-    const ping = () => this.send({ type: 'ping', t: performance.now() });
+    this._lastHeard = performance.now();
+    const ping = () => {
+      if (performance.now() - this._lastHeard > SERVER_SILENT_MS) {
+        this._onServerSilent();
+        return;
+      }
+      this.send({ type: 'ping', t: performance.now() });
+    };
     ping();
     this._pingTimer = setInterval(ping, PING_INTERVAL_MS);
+  }
+
+  /** The server stopped answering: drop the peer (telling a silent server would wait in vain) and say so. */
+  _onServerSilent() {
+    this._stopPing();
+    if (this._closed) return;
+    this._closed = true;
+    this.pc?.close();
+    this._emit('closed', { reason: 'silent' });
   }
 
   _stopPing() {
@@ -180,6 +201,7 @@ export class TutorConnection extends EventTarget {
   }
 
   _onMessage(data) {
+    this._lastHeard = performance.now();
     let msg;
     try {
       msg = JSON.parse(data);
