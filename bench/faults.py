@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -49,6 +50,7 @@ from bench.corpus import select
 from bench.machine import machine_info
 from gateway.cluster.workers import WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
 from gateway.devtools.client import HeadlessPeer
+from gateway.rtc.protocol import TERMINAL_EVENTS
 
 FAULTS = ("worker", "snac", "engine")
 WORKER_MODULE = "gateway.cluster.workers"
@@ -197,7 +199,7 @@ class SessionRecord:
 async def _speak_until(peer: HeadlessPeer, texts: Sequence[str], stop: asyncio.Event, rng: random.Random
                        ) -> SessionRecord:
     records: list[UtteranceRecord] = []
-    for k in range(1_000_000):
+    for k in itertools.count():
         if stop.is_set() or peer.lost_at is not None:
             break
         uid = f"{peer.session_id}-{k}"
@@ -224,7 +226,7 @@ def _fill(record: UtteranceRecord, peer: HeadlessPeer) -> None:
     record.out_of_order = endings.out_of_order
     if started := peer.find("started", record.uid):
         record.started = started[0].at
-    for kind in ("done", "error", "cancelled"):
+    for kind in TERMINAL_EVENTS:
         if found := peer.find(kind, record.uid):
             event = found[0]
             record.ended = event.at

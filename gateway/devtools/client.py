@@ -158,24 +158,21 @@ class HeadlessPeer:
 
     async def wait_event(self, kind: str, utterance_id: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
         """The first event of this kind (and id) received so far or from now on."""
-        deadline = time.monotonic() + timeout
-        while not (found := self.find(kind, utterance_id)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                seen = [e.message for e in self.events]
-                raise TimeoutError(f"no {kind!r} event for {utterance_id!r} within {timeout} s; saw {seen}")
-            self._event_arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event_arrived.wait(), remaining)
-        return found[0].message
+        if not await self._wait(lambda: bool(self.find(kind, utterance_id)), timeout, until_lost=False):
+            seen = [e.message for e in self.events]
+            raise TimeoutError(f"no {kind!r} event for {utterance_id!r} within {timeout} s; saw {seen}")
+        return self.find(kind, utterance_id)[0].message
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait until `predicate()` holds, checked on every event; False on timeout or when the connection is
         lost first."""
+        return await self._wait(predicate, timeout, until_lost=True)
+
+    async def _wait(self, predicate: Callable[[], bool], timeout: float, until_lost: bool) -> bool:
         deadline = time.monotonic() + timeout
         while not predicate():
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.lost_at is not None:
+            if remaining <= 0 or (until_lost and self.lost_at is not None):
                 return False
             self._event_arrived.clear()  # no await since the check: no event can slip in between
             with contextlib.suppress(TimeoutError):

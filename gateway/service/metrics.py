@@ -102,9 +102,6 @@ class Metrics:
         if audio_s > 0 and synthesis_s is not None:
             self.rtf.observe(synthesis_s / audio_s)
 
-    def observe_decode_batch(self, size: int, seconds: float, window_frames: int, new_frames: int) -> None:
-        self.snac.observe_decode_batch(size, seconds, window_frames, new_frames)
-
     def track_in_flight(self, read: Callable[[], float]) -> None:
         self.engine_in_flight.set_function(read)
 

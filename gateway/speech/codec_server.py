@@ -89,7 +89,9 @@ LEAD_MS_LIMIT = (1 << 31) - 1
 
 @dataclass(frozen=True)
 class CodecServerSettings:
-    """What a codec server needs; the supervisor hands it to the SNAC process in SERVER_ENV."""
+    """What a SNAC decoder needs, made from the gateway's config by `synthesizer.codec_server_settings`: a gateway
+    process loads its own decoder from it, and the supervisor hands it to the SNAC process in SERVER_ENV (`socket`:
+    where that one serves; unused in a gateway process)."""
 
     socket: str
     snac_model: str
@@ -155,10 +157,7 @@ class CodecServer:
 
     @classmethod
     def load(cls, settings: CodecServerSettings) -> CodecServer:
-        model = SnacModel.load(settings.snac_model, settings.device, settings.snac_dtype)
-        if settings.cuda_graphs:
-            model.capture_graphs(settings.window_lengths, settings.max_batch)
-        return cls(model, settings.socket, settings.max_batch)
+        return cls(load_window_model(settings), settings.socket, settings.max_batch)
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -335,12 +334,7 @@ class StreamCodecServer:
 
     @classmethod
     def load(cls, settings: CodecServerSettings) -> StreamCodecServer:
-        from gateway.speech.snac_stream import StreamingSnac  # torch: only in the process that decodes
-
-        snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
-                                  max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
-                                  max_batch=settings.max_batch)
-        return cls(StreamDecoder(snac, settings.max_batch), settings.socket)
+        return cls(load_stream_decoder(settings), settings.socket)
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -550,7 +544,8 @@ class CodecStreamClient:
     def __init__(self, path: str | Path, connect_timeout_s: float = 10.0) -> None:
         self.path = str(path)
         self.connect_timeout_s = connect_timeout_s
-        # StreamDecoder's metrics hook and counters: the batches run in the SNAC process, so here they stay idle.
+        # StreamDecoder's metrics hook and counters, for the synthesizer's callers: idle here, because the batches
+        # run in the SNAC process, which reports them itself (gateway.cluster.snac_process).
         self.on_batch: Callable[[int, float, int, int], None] | None = None
         self.stats = DecodeStats()
         self._link: _StreamLink | None = None
@@ -696,6 +691,24 @@ async def _windows_error(reader: asyncio.StreamReader, answer: bytes) -> str:
     with contextlib.suppress(asyncio.IncompleteReadError, OSError):
         return (await reader.readexactly(count)).decode(errors="replace")
     return "it answered with an error"
+
+
+def load_window_model(settings: CodecServerSettings) -> SnacModel:
+    """SNAC for windows as the settings say, its graphs captured: served, or in a gateway process."""
+    model = SnacModel.load(settings.snac_model, settings.device, settings.snac_dtype)
+    if settings.cuda_graphs:
+        model.capture_graphs(settings.window_lengths, settings.max_batch)
+    return model
+
+
+def load_stream_decoder(settings: CodecServerSettings) -> StreamDecoder:
+    """The exact streaming decoder as the settings say: served, or in a gateway process."""
+    from gateway.speech.snac_stream import StreamingSnac  # torch: only in the process that decodes
+
+    snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
+                              max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
+                              max_batch=settings.max_batch)
+    return StreamDecoder(snac, settings.max_batch)
 
 
 def load_server(settings: CodecServerSettings) -> CodecServer | StreamCodecServer:

@@ -340,16 +340,16 @@ class RemoteEngine(EngineBase):
             self._take_out(server, "a stream ended before its request finished")
             raise EngineDeadError(f"the vLLM server {server.url} stopped during this request")
 
-
     def _stream_error(self, server: RemoteServer, event: dict[str, Any]) -> EngineError:
         """An error event inside the stream: vLLM sends one when the request fails after its 200, with an HTTP
-        status as `code`. 4xx: this request was wrong. Anything else is the server failing, most often its engine
-        core dying (vLLM then shuts the API server down): out of rotation until its health checks pass, and the
-        utterance ends `engine_dead`, as when the stream breaks."""
+        status as `code`. A status of a wrong request (REQUEST_ERROR_STATUSES, as before the 200): this request was
+        wrong. Anything else is the server failing, most often its engine core dying (vLLM then shuts the API server
+        down): out of rotation until its health checks pass, and the utterance ends `engine_dead`, as when the
+        stream breaks."""
         text = _error_text(event)
         error = event.get("error")
         code = error.get("code") if isinstance(error, dict) else None
-        if isinstance(code, int) and 400 <= code < 500:
+        if code in REQUEST_ERROR_STATUSES:
             return EngineRequestError(f"the vLLM server refused the request: {text}")
         self._take_out(server, f"failed a request mid-stream: {text}")
         return EngineDeadError(f"the vLLM server {server.url} failed during this request: {text}")

@@ -31,11 +31,16 @@ from gateway.orpheus import (
     split_sentences,
 )
 from gateway.speech.checkpoints import require_checkpoint
-from gateway.speech.codec import CodeDecoder, DecodeBatcher, SnacModel, StreamWindower
-from gateway.speech.codec_server import CodecClient, CodecServerSettings, CodecStreamClient
+from gateway.speech.codec import CodeDecoder, DecodeBatcher, StreamWindower
+from gateway.speech.codec_server import (
+    CodecClient,
+    CodecServerSettings,
+    CodecStreamClient,
+    load_stream_decoder,
+    load_window_model,
+)
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.remote import RemoteEngine
-from gateway.speech.snac_stream import StreamingSnac
 from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -451,10 +456,7 @@ def _stream_decoder(config: GatewayConfig) -> StreamDecoding:
     """The streaming decoder in this process, or a client of the shared one (`--snac-socket`)."""
     if config.snac_socket:
         return CodecStreamClient(config.snac_socket)
-    snac = StreamingSnac.load(config.snac_model, config.snac_device, config.snac_dtype,
-                              max_streams=_stream_slots(config), capture_graphs=config.snac_cuda_graphs,
-                              max_batch=config.decode_max_batch)
-    return StreamDecoder(snac, config.decode_max_batch)
+    return load_stream_decoder(codec_server_settings(config))
 
 
 def _stream_slots(config: GatewayConfig) -> int:
@@ -466,14 +468,12 @@ def _code_decoder(config: GatewayConfig) -> CodeDecoder:
     """SNAC windows in this process, or a client of a shared decoder (`--snac-socket`, set by `serve --workers`)."""
     if config.snac_socket:
         return CodecClient(config.snac_socket)
-    snac = SnacModel.load(config.snac_model, config.snac_device, config.snac_dtype)
-    if config.snac_cuda_graphs:
-        snac.capture_graphs(_window_lengths(config), config.decode_max_batch)
-    return snac
+    return load_window_model(codec_server_settings(config))
 
 
-def codec_server_settings(config: GatewayConfig, path: str) -> CodecServerSettings:
-    """The shared SNAC decoder of this configuration (streams or windows, as `snac_decoder`), served on `path`."""
+def codec_server_settings(config: GatewayConfig, path: str = "") -> CodecServerSettings:
+    """The SNAC decoder of this configuration (streams or windows, as `snac_decoder`): this process's own, or the
+    shared one, served on `path`."""
     return CodecServerSettings(socket=path, snac_model=config.snac_model, device=config.snac_device,
                                snac_dtype=config.snac_dtype,
                                cuda_graphs=config.snac_cuda_graphs, window_lengths=tuple(_window_lengths(config)),
