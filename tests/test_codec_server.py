@@ -44,7 +44,7 @@ from gateway.speech.codec_server import (
     StreamCodecServer,
     codec_server_env,
 )
-from gateway.speech.snac_stream import StreamingSnac
+from gateway.speech.snac_stream import MAX_HEAD_FRAMES, StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats, uses_stream_decoder
 from tests.support import first_window, make_frames, take_all, wait_until
@@ -332,21 +332,22 @@ async def test_streams_through_the_server_sound_as_in_process(snac_weights: Any,
 
 async def test_streams_of_two_clients_share_one_step(snac_weights: Any, server_path: Path) -> None:
     gated = GatedStreamingSnac(snac_weights)
+    frames = MAX_HEAD_FRAMES + 4  # more than the bridge can decode: the exact stream must step both streams
     steps: list[int] = []
     server = start_stream_server(gated, server_path, on_batch=lambda streams, *_: steps.append(streams))
     clients = [CodecStreamClient(server_path) for _ in range(2)]
     try:
         first = clients[0].open(lambda: 0.0)
-        clients[0].push(first, make_frames(4, seed=1))
+        clients[0].push(first, make_frames(frames, seed=1))
         assert await asyncio.to_thread(gated.entered.wait, 30), "the first client's stream is stepping"
         second = clients[1].open(lambda: 0.0)
-        clients[1].push(second, make_frames(4, seed=2))
+        clients[1].push(second, make_frames(frames, seed=2))
         await wait_until(lambda: server.decoder._commands.qsize() >= 2)  # its open and push wait behind the step
         gated.go.set()
         for client, stream in zip(clients, (first, second), strict=True):
             client.finish(stream)
         for stream in (first, second):
-            assert len(await audio_of(stream.chunks)) == 4 * SAMPLES_PER_FRAME
+            assert len(await audio_of(stream.chunks)) == frames * SAMPLES_PER_FRAME
         assert 2 in steps, "one step decoded the streams of both clients"
     finally:
         gated.go.set()
@@ -368,8 +369,8 @@ def _message(kind: int, stream_id: int, payload: bytes = b"") -> bytes:
     return MESSAGE.pack(kind, stream_id, len(payload)) + payload
 
 
-def _push(stream_id: int, codes: list[int], first_frames: int = 2) -> bytes:
-    return _message(PUSH, stream_id, PUSH_HEAD.pack(0, first_frames) + struct.pack(f"<{len(codes)}h", *codes))
+def _push(stream_id: int, codes: list[int], lookahead: int = 1) -> bytes:
+    return _message(PUSH, stream_id, PUSH_HEAD.pack(0, lookahead) + struct.pack(f"<{len(codes)}h", *codes))
 
 
 def _read_message(sock: socket.socket) -> tuple[int, int, bytes]:
@@ -419,7 +420,7 @@ def test_a_bad_stream_fails_alone_and_its_connection_goes_on(snac_weights: Any, 
                 _message(OPEN, 1), _push(1, [5000, 0, 0, 0, 0, 0, 0]),  # a code out of range
                 _push(7, [0] * 7),  # never opened
                 _message(OPEN, 2), _message(OPEN, 2),  # opened twice
-                _message(OPEN, 3), _push(3, [0] * 7, first_frames=0),
+                _message(OPEN, 3), _push(3, [0] * 7, lookahead=8),
                 _message(RELEASE, 8),  # releasing an unknown stream is nothing
                 _message(OPEN, 4), _push(4, list(itertools.chain(*make_frames(2, seed=4)))),
                 _message(FINISH, 4, struct.pack("<i", 250)),
@@ -437,7 +438,7 @@ def test_a_bad_stream_fails_alone_and_its_connection_goes_on(snac_weights: Any, 
             assert "codes in [0, 4096)" in errors[1]
             assert errors[7] == "stream 7 is not open"
             assert errors[2] == "stream 2 is open already"
-            assert "emit_frames in [1, 7]" in errors[3]
+            assert "lookahead in [0, 7]" in errors[3]
             assert set(errors) == {1, 2, 3, 7}
         free = server.decoder.snac._free
         deadline = threading.Event()

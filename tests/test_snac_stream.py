@@ -7,6 +7,7 @@ run checks 1..12, 17, 25 and 40 (every interaction of the start and end edges: b
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,12 +19,14 @@ import torch
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
 from gateway.speech.snac_stream import (
+    MAX_HEAD_FRAMES,
     OPEN_END,
     StreamHandle,
     StreamingSnac,
     position_noise,
     reference_decode,
 )
+from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
 
 EXACT = 1e-5  # float32 max abs difference that counts as exact (measured: ~6e-7; audio peaks ~0.7)
 BF16_MIN_SNR_DB = 33.0  # measured 39 dB on CPU (40 dB on an H200 for windowed decodes); see test_half_precision_snr
@@ -295,20 +298,28 @@ def test_half_precision_snr(snac_model: torch.nn.Module, utterances: dict[int, U
     assert snr_db(utt.reference, audio) > bound
 
 
-# --- fast start --------------------------------------------------------------------------------------------------
+# --- fast start: the bridge -----------------------------------------------------------------------------------
 
 
-def run_with_first_chunk(decoder: StreamingSnac, utt: Utterance, at_frames: int, crossfade: int,
-                         ) -> tuple[np.ndarray, StreamHandle, int]:
-    """Frames one by one; the first chunk as soon as `at_frames` frames are in; returns the audio, the handle and
-    the number of frames received when the first exact audio came out."""
+def run_with_bridge(decoder: StreamingSnac, utt: Utterance, start_lookahead: int, crossfade: int,
+                    bridge_until: int | None = None) -> tuple[np.ndarray, StreamHandle, int, list[int]]:
+    """Frames one by one, each followed by a step (as the stream decoder does). The bridge starts as soon as
+    `1 + start_lookahead` frames are in and goes on (lookahead 1) while at most `bridge_until` frames are (default:
+    only the first bridge). Returns the audio, the handle, the frames received when the first exact audio came
+    out, and where each bridge piece began (its seam)."""
     h = decoder.open_stream(utt.seed)
     pieces: list[np.ndarray] = []
+    seams: list[int] = []
     first_exact = -1
+    until = 1 + start_lookahead if bridge_until is None else bridge_until
     for frame in utt.frames:
         decoder.push(h, [frame])
-        if h.received == at_frames:
-            (chunk,) = decoder.first_chunk([h], emit_frames=1, crossfade=crossfade, as_float=True)
+        if 1 + start_lookahead <= h.received <= until:
+            at = h.emitted
+            (chunk,) = decoder.bridge([h], lookahead=start_lookahead if h.emitted == 0 else 1,
+                                      crossfade=crossfade, as_float=True)
+            if chunk.size:
+                seams.append(at)
             pieces.append(chunk)
         piece = decoder.step_batch([h], as_float=True)[0]
         if piece.size and first_exact < 0:
@@ -317,58 +328,93 @@ def run_with_first_chunk(decoder: StreamingSnac, utt: Utterance, at_frames: int,
     decoder.finish(h)
     pieces += decoder.drain([h], as_float=True)
     decoder.close(h)
-    return np.concatenate(pieces), h, first_exact
+    return np.concatenate(pieces), h, first_exact, seams
 
 
-def seam_figures(audio: np.ndarray, reference: np.ndarray, handover: int, crossfade: int) -> dict[str, float]:
+def seam_figures(audio: np.ndarray, reference: np.ndarray, seams: list[int], crossfade: int) -> dict[str, float]:
+    """Around each seam (a bridge piece's start, the exact stream's hand-over), the largest first difference of the
+    audio and of its error, against the same figures away from the seams."""
     margin = 16
-    seam = slice(max(1, handover - margin), handover + crossfade + margin)
+    near = np.zeros(len(audio) - 1, dtype=bool)
+    for seam in seams:
+        near[max(1, seam - margin):seam + crossfade + margin] = True
     step = np.abs(np.diff(audio))
-    outside = np.concatenate([step[:seam.start], step[seam.stop:]])
     error_step = np.abs(np.diff(audio - reference))
+    handover = seams[-1]
     return {
         "approx_snr_db": snr_db(reference[:handover], audio[:handover]),
         "fade_max_err": float(np.abs(audio - reference)[handover:handover + crossfade].max(initial=0.0)),
         "after_max_err": float(np.abs(audio - reference)[handover + crossfade:].max()),
-        "seam_step": float(step[seam].max()),
-        "outside_step": float(outside.max()),
-        "seam_error_step": float(error_step[seam].max()),
-        "approx_error_step": float(error_step[:seam.start].max()),
+        "seam_step": float(step[near].max()),
+        "outside_step": float(step[~near].max()),
+        "seam_error_step": float(error_step[near].max()),
+        "approx_error_step": float(error_step[:handover][~near[:handover]].max()),
     }
 
 
-@pytest.mark.parametrize(("at_frames", "crossfade"), [(2, 256), (1, 256), (2, 0)])
-def test_first_chunk_hands_over_to_the_exact_stream(decoder: StreamingSnac, utterances: dict[int, Utterance],
-                                                    at_frames: int, crossfade: int) -> None:
-    """Today's fast start (one frame of audio once two frames are in: `at_frames=2`, or at once from one frame),
-    then the exact stream: exact after the crossfade, no step at the seam (the first difference there no
-    larger than elsewhere; the error's first difference no larger than twice the approximation's own)."""
+@pytest.mark.parametrize(("start_lookahead", "crossfade", "bridge_until", "handover", "first_exact"), [
+    (1, 256, None, SAMPLES_PER_FRAME, 4),  # one frame once two are in
+    (0, 256, None, SAMPLES_PER_FRAME - 256, 4),  # at once from one frame
+    (1, 0, None, SAMPLES_PER_FRAME, 4),  # no crossfade
+    (0, 512, 5, 4 * SAMPLES_PER_FRAME, 7),  # the bridge goes on to five frames (a stream short of lead)
+])
+def test_bridge_hands_over_to_the_exact_stream(decoder: StreamingSnac, utterances: dict[int, Utterance],
+                                               start_lookahead: int, crossfade: int, bridge_until: int | None,
+                                               handover: int, first_exact: int) -> None:
+    """The fast start, then the exact stream: exact after the last crossfade, no step at any seam (the first
+    difference there no larger than elsewhere; the error's first difference no larger than twice the
+    approximation's own). Exact audio past the hand-over needs 4757 samples more input: two frames after the
+    bridge's last one, e.g. the fourth frame after a one-frame bridge."""
     utt = utterances[10]
-    audio, h, first_exact = run_with_first_chunk(decoder, utt, at_frames, crossfade)
+    audio, h, exact_at, seams = run_with_bridge(decoder, utt, start_lookahead, crossfade, bridge_until)
     assert audio.shape == utt.reference.shape
-    assert h.handover == (SAMPLES_PER_FRAME if at_frames == 2 else SAMPLES_PER_FRAME - crossfade)
-    assert first_exact == 4  # exact audio past the hand-over needs 2048 + 4757 samples of input: four frames
-    figures = seam_figures(audio, utt.reference, h.handover, crossfade)
+    assert h.handover == handover and exact_at == first_exact
+    figures = seam_figures(audio, utt.reference, [*seams[1:], h.handover], crossfade)
     assert figures["after_max_err"] < EXACT
-    assert figures["approx_snr_db"] > (30 if at_frames == 2 else 15)  # measured 38.6 / 22.8 dB
+    assert figures["approx_snr_db"] > (15 if start_lookahead == 0 else 30)  # measured 22.8 / 38.6 dB
     assert figures["seam_step"] <= 1.25 * figures["outside_step"]
     assert figures["seam_error_step"] <= 2 * figures["approx_error_step"]
     # The error-step criterion is sensitive: a step of 5x the approximation's own roughness at the seam (0.08
     # with two frames in, 0.5 from one frame; the signal's own first differences reach 0.85) breaks it.
     stepped = audio.copy()
     stepped[h.handover:] += 5 * figures["approx_error_step"]
-    broken = seam_figures(stepped, utt.reference, h.handover, crossfade)
+    broken = seam_figures(stepped, utt.reference, [h.handover], crossfade)
     assert broken["seam_error_step"] > 2 * broken["approx_error_step"]
 
 
-def test_int16_output_with_first_chunk(decoder: StreamingSnac, utterances: dict[int, Utterance]) -> None:
-    """The default int16 PCM (first chunk, crossfade, exact stream) is the float audio scaled and truncated."""
+def test_bridge_pieces_are_windows_and_end_at_the_head(decoder: StreamingSnac,
+                                                       utterances: dict[int, Utterance]) -> None:
+    """Each bridge decode covers its new frames and one frame of left context (not the whole prefix); a call
+    without new frames adds nothing; the bridge stops at MAX_HEAD_FRAMES frames, and once the exact stream has
+    handed out audio past the bridge's, the bridge is over."""
+    utt = utterances[17]
+    h = decoder.open_stream(utt.seed)
+    before = decoder.stats.approx_frames
+    decoder.push(h, utt.frames[:2])
+    assert decoder.bridge([h])[0].size == SAMPLES_PER_FRAME and decoder.stats.approx_frames - before == 2
+    assert decoder.bridge([h])[0].size == 0  # nothing new
+    decoder.push(h, utt.frames[2:3])
+    assert decoder.bridge([h])[0].size == SAMPLES_PER_FRAME
+    assert decoder.stats.approx_frames - before == 2 + 3  # frames 0..2: one frame of context before frame 1
+    decoder.push(h, utt.frames[3:12])
+    assert decoder.bridge([h])[0].size == (MAX_HEAD_FRAMES - 3) * SAMPLES_PER_FRAME
+    assert h.bridged == MAX_HEAD_FRAMES and decoder.bridging_over(h)
+    assert decoder.bridge([h])[0].size == 0
+    decoder.drain([h])
+    assert h.emitted > h.handover and decoder.bridging_over(h)
+    decoder.close(h)
+    with pytest.raises(ValueError, match="lookahead"):
+        decoder.bridge([h], lookahead=MAX_HEAD_FRAMES)
+
+
+def test_int16_output_with_bridge(decoder: StreamingSnac, utterances: dict[int, Utterance]) -> None:
+    """The default int16 PCM (bridge, crossfade, exact stream) is the float audio scaled and truncated."""
     utt = utterances[3]
     outputs = {}
     for as_float in (True, False):
         h = decoder.open_stream(utt.seed)
         decoder.push(h, utt.frames[:2])
-        pieces = decoder.first_chunk([h], as_float=as_float)
+        pieces = decoder.bridge([h], as_float=as_float)
         decoder.push(h, utt.frames[2:])
         decoder.finish(h)
         pieces += decoder.drain([h], as_float=as_float)
@@ -379,16 +425,76 @@ def test_int16_output_with_first_chunk(decoder: StreamingSnac, utterances: dict[
     assert np.abs(outputs[False].astype(np.int32) - expected).max() <= 1
 
 
-def test_first_chunk_of_a_whole_short_utterance_is_exact(decoder: StreamingSnac,
-                                                         utterances: dict[int, Utterance]) -> None:
-    utt = utterances[2]
+@pytest.mark.parametrize("bridged_first", [False, True])
+def test_bridge_to_the_end_of_a_short_utterance_is_exact(decoder: StreamingSnac, utterances: dict[int, Utterance],
+                                                         bridged_first: bool) -> None:
+    """A finished utterance within the head: the bridge decodes it whole from frame 0, exact, and the stream is
+    done (after an earlier bridge piece too: exact from the end of its crossfade)."""
+    utt = utterances[5]
     h = decoder.open_stream(utt.seed)
-    decoder.push(h, utt.frames)
+    pieces = []
+    if bridged_first:
+        decoder.push(h, utt.frames[:2])
+        pieces += decoder.bridge([h], as_float=True)
+        decoder.push(h, utt.frames[2:])
+    else:
+        decoder.push(h, utt.frames)
     decoder.finish(h)
-    (audio,) = decoder.first_chunk([h], emit_frames=2, as_float=True)
+    pieces += decoder.bridge([h], as_float=True)
     assert decoder.done(h) and not decoder.ready(h)
     decoder.close(h)
-    assert np.abs(audio - utt.reference).max() < EXACT
+    audio = np.concatenate(pieces)
+    assert audio.shape == utt.reference.shape
+    exact_from = SAMPLES_PER_FRAME + 512 if bridged_first else 0
+    assert np.abs(audio - utt.reference)[exact_from:].max() < EXACT
+
+
+async def _decoded(stream: DecodeStream) -> list[np.ndarray]:
+    pieces = []
+    while (item := await asyncio.wait_for(stream.chunks.get(), 60)) is not None:
+        assert not isinstance(item, BaseException)
+        pieces.append(item[0])
+    return pieces
+
+
+@pytest.mark.parametrize(("lead_s", "handover"), [(0.0, (MAX_HEAD_FRAMES - 1) * SAMPLES_PER_FRAME),
+                                                  (1.0, SAMPLES_PER_FRAME)])
+async def test_the_bridge_goes_on_until_the_lead_covers_the_handover(snac_model: torch.nn.Module, lead_s: float,
+                                                                    handover: int) -> None:
+    """The stream decoder's policy: a stream without lead (a listener who plays what comes, generation at real-time
+    pace) gets bridge audio up to the head's end before the exact stream takes over; one whose lead covers the
+    hand-over (1 s > 4757 samples) hands over after its first audio. Every sample comes out once either way."""
+    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
+    try:
+        frames = make_frames(12, seed=12)
+        stream = decoder.open(lambda: lead_s, lookahead=1)
+        decoder.push(stream, frames[:2])
+        first = await asyncio.wait_for(stream.chunks.get(), 60)
+        assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME,)
+        for frame in frames[2:]:
+            decoder.push(stream, [frame])
+        decoder.finish(stream)
+        rest = await _decoded(stream)
+        assert stream.handle is not None and stream.handle.handover == handover
+        assert sum(len(p) for p in [first[0], *rest]) == len(frames) * SAMPLES_PER_FRAME
+    finally:
+        decoder.close()
+
+
+async def test_fast_tokens_get_audio_from_the_first_frame(snac_model: torch.nn.Module) -> None:
+    """Lookahead 0 (the engine's tokens come fast): the first audio is out once one frame is in, all of it but
+    the crossfade that joins the next piece."""
+    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
+    try:
+        stream = decoder.open(lambda: 0.0, lookahead=0)
+        decoder.push(stream, make_frames(1, seed=1))
+        first = await asyncio.wait_for(stream.chunks.get(), 60)
+        assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME - BRIDGE_CROSSFADE,)
+        decoder.finish(stream)
+        rest = await _decoded(stream)
+        assert sum(len(p) for p in [first[0], *rest]) == SAMPLES_PER_FRAME
+    finally:
+        decoder.close()
 
 
 # --- bookkeeping and noise ----------------------------------------------------------------------------------------

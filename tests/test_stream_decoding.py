@@ -1,5 +1,5 @@
 """The exact streaming decoder as the synthesizer uses it (the default `snac_decoder stream`): every sentence's
-audio equals a full SNAC decode of the frames the engine made (after the fast first chunk's crossfade), every
+audio equals a full SNAC decode of the frames the engine made (after the fast start's bridge and its crossfade), every
 frame comes out once, sentences share launches, and cancelled sentences give their slots back."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from snac import SNAC
 
 from gateway.orpheus import SAMPLES_PER_FRAME
 from gateway.speech.snac_stream import reference_decode
-from gateway.speech.stream_decoder import FIRST_CHUNK_CROSSFADE, DecodeStream
+from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from tests.support import wait_until
 
@@ -45,11 +45,11 @@ async def test_sentences_decode_exactly_and_every_frame_once(synthesizer: Synthe
         assert len(pcm) == len(frames) * SAMPLES_PER_FRAME, "every frame's audio exactly once"
         assert stream.handle is not None
         want = reference_decode(model, [frames], [stream.handle.seed])[0]
-        exact_from = stream.handle.handover + FIRST_CHUNK_CROSSFADE
+        exact_from = stream.handle.handover + BRIDGE_CROSSFADE
         if len(frames) * SAMPLES_PER_FRAME > exact_from + 2048:
             got = pcm[exact_from:-synthesizer._fade_samples or None].astype(np.float32) / INT16_MAX
             ref = np.clip(want[exact_from:len(got) + exact_from], -1, 1)
-            assert np.max(np.abs(got - ref)) <= 2.5 / INT16_MAX, "after the first chunk, a full decode's samples"
+            assert np.max(np.abs(got - ref)) <= 2.5 / INT16_MAX, "after the bridge, a full decode's samples"
 
 
 async def test_concurrent_sentences_share_launches_and_give_slots_back(synthesizer: Synthesizer) -> None:

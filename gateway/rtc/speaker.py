@@ -100,7 +100,8 @@ class Speaker:
                        retry_after_s=EngineUnavailableError.retry_after_s)
             return
         feed = self.lesson.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
-        utterance.stats = stats = UtteranceStats(started=utterance.received_at)
+        utterance.stats = stats = UtteranceStats(started=utterance.received_at,
+                                                 listener_buffer_s=self.jitter_buffer_ms / 1000)
         try:
             async for chunk in synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats):
                 if chunk.first_of_sentence:

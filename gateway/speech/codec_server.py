@@ -22,7 +22,7 @@ its choosing. Both ends first send the 8 bytes STREAM_HELLO; a server answers an
 reply (a windows client shows why) and closes; a client that does not get them back (a windows server) fails its
 streams. Then messages, little-endian: u32 kind, u32 stream id, u32 payload bytes (<= MAX_MESSAGE_BYTES), payload:
   client  OPEN 1     -
-          PUSH 2     i32 lead_ms, u32 first_frames (1..7), then n x 7 int16 codes (1 <= n <= MAX_PUSH_FRAMES)
+          PUSH 2     i32 lead_ms, u32 lookahead (0..7), then n x 7 int16 codes (1 <= n <= MAX_PUSH_FRAMES)
           FINISH 3   i32 lead_ms
           RELEASE 4  -  (the sentence is over, whatever state it is in; the id is free again)
   server  CHUNK 5    u32 last (1: the stream's last audio), then int16 PCM
@@ -74,7 +74,7 @@ SERVER_ENV = "ORPHEUS_GATEWAY_SNAC_SERVER"  # CodecServerSettings as JSON, set b
 STREAM_HELLO = b"SNACSTR1"
 MESSAGE = struct.Struct("<III")  # kind, stream id, payload bytes
 OPEN, PUSH, FINISH, RELEASE, CHUNK, END, ERROR = range(1, 8)
-PUSH_HEAD = struct.Struct("<iI")  # lead_ms, first_frames
+PUSH_HEAD = struct.Struct("<iI")  # lead_ms, lookahead
 LEAD = struct.Struct("<i")  # lead_ms
 LAST = struct.Struct("<I")  # a chunk ends its stream
 ALL_STREAMS = 0xFFFFFFFF  # the stream id of a connection's own error
@@ -471,7 +471,7 @@ class _StreamConnection:
         self._streams[stream_id] = remote
 
     def _push(self, stream_id: int, remote: _RemoteStream, payload: bytes) -> None:
-        lead_ms, first_frames = PUSH_HEAD.unpack_from(payload)
+        lead_ms, lookahead = PUSH_HEAD.unpack_from(payload)
         count = (len(payload) - PUSH_HEAD.size) // FRAME_BYTES
         if remote.frames + count > MAX_STREAM_FRAMES:
             self._fail(stream_id, f"a stream has at most {MAX_STREAM_FRAMES} frames")
@@ -480,8 +480,8 @@ class _StreamConnection:
         frames: list[Frame] = [tuple(row) for row in codes.tolist()]  # type: ignore[misc]
         remote.frames += count
         remote.lead.report(lead_ms)
-        remote.stream.first_frames = first_frames  # read once its head is ready, as in-process
-        # The decoder checks the codes and `first_chunk` the first_frames: a bad one fails this stream.
+        remote.stream.lookahead = lookahead  # read once its head is ready, as in-process
+        # The decoder checks the codes and `bridge` the lookahead: a bad one fails this stream.
         self.decoder.push(remote.stream, frames)
 
     def _release(self, stream_id: int) -> None:
@@ -553,14 +553,14 @@ class CodecStreamClient:
         self._where: dict[DecodeStream, tuple[_StreamLink, int]] = {}
         self._closed = False
 
-    def open(self, lead_s: Callable[[], float], first_frames: int = 2) -> DecodeStream:
+    def open(self, lead_s: Callable[[], float], lookahead: int = 1) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
         loop = asyncio.get_running_loop()
         link = self._link
         if link is None or link.broken or link.loop is not loop:
             link = self._link = _StreamLink(self.path, loop, self.connect_timeout_s)
-        stream = DecodeStream(loop, lead_s, first_frames)
+        stream = DecodeStream(loop, lead_s, lookahead)
         stream_id = next(self._ids) % ALL_STREAMS
         link.open(stream_id, stream)
         self._where[stream] = (link, stream_id)
@@ -572,7 +572,7 @@ class CodecStreamClient:
         link, stream_id = where
         codes = np.asarray(frames, dtype="<i2")
         for at in range(0, len(codes), MAX_PUSH_FRAMES):
-            link.send(PUSH, stream_id, PUSH_HEAD.pack(_lead_ms(stream), stream.first_frames)
+            link.send(PUSH, stream_id, PUSH_HEAD.pack(_lead_ms(stream), stream.lookahead)
                       + codes[at:at + MAX_PUSH_FRAMES].tobytes())
 
     def finish(self, stream: DecodeStream) -> None:

@@ -45,18 +45,19 @@ of replays grows. `chunk_frames=k` is available for offline or throughput-bound 
 steps), e.g. 1.075 decoded frames per new frame at N = 40, against ~2.9 for today's 3-frame windows.
 
 Latency and fast start: exact audio up to sample p needs the frames up to sample p + 4757, 2709 samples (113 ms
-of audio, 1.32 frame times at generation pace) later than today's windows with one frame of lookahead; the
-first exact sample needs 3 frames, the first exact frame 4. `first_chunk` keeps today's fast start: it decodes
-the frames available (a full decode of the prefix, as today's first window does) and emits its first
-`emit_frames` frames at once; the exact stream then takes over with a raised-cosine crossfade of `crossfade`
-samples and is exact from the end of the crossfade on. Measured (random weights, crossfade 256): first chunk
-after 2 frames (today's default) 38.6 dB SNR against the full decode, error in the crossfade <= 0.011; after 1
-frame (early start; hand-over 256 samples before the frame's end) 22.8 dB, error in the crossfade <= 0.10 (a
-512-sample crossfade halves that); after the crossfade the error is float rounding (6e-7). The cost: the first
-chunk keeps today's approximation error, and audio after it comes only once the exact stream has passed the
-hand-over point (at the 4th frame, i.e. ~2 frame times after the first chunk, against 1 for today's windows),
-so the client's buffer must cover that gap once per utterance; from then on every sample comes 1.32 frame
-times later than with today's windows.
+of audio, 1.32 frame times at generation pace) later than sliding windows with one frame of lookahead; the
+first exact sample needs 3 frames, the first exact frame 4. `bridge` gives the fast start: a decode of the latest
+frames (one frame of left context, zero padding after the last, as a sliding window) hands out audio up to
+`lookahead` frames (0 or 1) before its end, continuing its last piece with a raised-cosine crossfade; the exact
+stream takes over the same way once it is past the bridge's audio, and is exact from the end of that crossfade
+on. Measured (random weights, CPU, `test_bridge_hands_over_to_the_exact_stream`): one bridge piece after 2
+frames (lookahead 1, crossfade 256) 38.6 dB SNR against the full decode, error in the crossfade <= 0.011; after
+1 frame (lookahead 0) 22.8 dB, error in the crossfade <= 0.10 (a 512-sample crossfade halves that); a bridge
+that goes on to 5 frames (crossfade 512) 37.1 dB after a 1-frame start; after the hand-over the error is float
+rounding (6e-7), and no seam shows a step larger than the signal's own. The cost of taking over: audio after the
+bridge's last piece comes only once the exact stream passes it, two frames later, so the stream's lead must hold
+4757 samples then (`StreamDecoder` bridges until it does); from then on every sample comes 1.32 frame times
+later than with sliding windows. Bridge decodes run eagerly: 3 frames decoded per bridged frame.
 
 Precision: float32, bfloat16 and float16 (weights, activations and states in that dtype; noise made in float32).
 """
@@ -83,7 +84,10 @@ INT16_MAX = 32767
 # work, so above 64 the buckets grow by 64, not by doubling).
 GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
 OPEN_END = 1 << 40  # "end" (in frames) of a stream that has not finished
-MAX_HEAD_FRAMES = 8  # frames of a stream's start kept for `first_chunk`
+MAX_HEAD_FRAMES = 8  # frames of a stream's start kept for `bridge`: it covers at most the first 8 (0.68 s)
+# Frames of left context of a bridge decode (before the first sample it hands out). Its error comes from the one
+# frame of right context; 1 frame on the left costs 3 decoded frames per bridged frame, as sliding windows did.
+BRIDGE_CONTEXT_FRAMES = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --- position-tied noise --------------------------------------------------------------------------------
@@ -474,9 +478,10 @@ class StreamHandle:
     emitted: int = 0  # samples handed out (approximate first chunk included)
     finished: bool = False
     closed: bool = False
-    handover: int = 0  # samples [0, handover) came from `first_chunk`
+    handover: int = 0  # samples [0, handover) came from `bridge`
+    bridged: int = 0  # frames the last `bridge` decode reached
     _pending: list[Frame] = field(default_factory=list)  # frames pushed, not yet stepped
-    _head: list[Frame] = field(default_factory=list)  # the first MAX_HEAD_FRAMES frames (for `first_chunk`)
+    _head: list[Frame] = field(default_factory=list)  # the first MAX_HEAD_FRAMES frames (for `bridge`)
     _fade: np.ndarray | None = None  # approximate audio of [handover, handover + crossfade)
 
     @property
@@ -499,7 +504,7 @@ class StreamStats:
     padded_rows: int = 0  # batch rows added to reach a graph bucket (wasted work)
     pushed_frames: int = 0
     stepped_frames: int = 0  # frames run through the exact decoder, flush steps included
-    approx_frames: int = 0  # frames run through `first_chunk` decodes
+    approx_frames: int = 0  # frames run through `bridge` decodes
 
     @property
     def decoded_per_new_frame(self) -> float:
@@ -552,7 +557,7 @@ class StreamingSnac:
         snac = StreamingSnac.load("hubertsiuzdak/snac_24khz", "cuda", "bfloat16", max_streams=512)
         h = snac.open_stream(seed=utterance_id)
         snac.push(h, frames)                    # as the LLM produces them
-        first = snac.first_chunk([h])[0]        # optional fast start (approximate, crossfaded later)
+        fast = snac.bridge([h], lookahead=0)[0] # optional fast start (approximate, crossfaded later)
         pcm = snac.step_batch(ready_handles)    # each tick: one frame per ready stream, one or two launches
         snac.finish(h)                          # end of speech: later steps flush the tail
         ...until snac.done(h); snac.close(h)
@@ -725,7 +730,7 @@ class StreamingSnac:
         launch, the others in one unmasked launch (more if a kind exceeds the largest graph bucket). Returns each
         handle's new audio: int16 PCM (float32 in [-1, 1] with `as_float`), empty
         for handles that were not ready or whose new samples all lie before the start (the first two steps)
-        or before the hand-over of `first_chunk`. One host sync per launch, none per stream."""
+        or before the audio `bridge` handed out. One host sync per launch, none per stream."""
         out = [np.zeros(0, dtype=np.float32 if as_float else np.int16) for _ in handles]
         active = [(i, h) for i, h in enumerate(handles) if self.ready(h)]
         if len({h.slot for _, h in active}) != len(active):
@@ -790,37 +795,84 @@ class StreamingSnac:
         dtype = np.float32 if as_float else np.int16
         return [np.concatenate(p) if p else np.zeros(0, dtype=dtype) for p in pieces]
 
-    # -- fast start --------------------------------------------------------------------------------------
+    # -- fast start: the bridge ------------------------------------------------------------------------
 
-    def first_chunk(self, handles: Sequence[StreamHandle], emit_frames: int = 1, crossfade: int = 512, *,
-                    as_float: bool = False) -> list[np.ndarray]:
-        """Fast, approximate first audio of streams that have emitted nothing yet: a full decode of their first
-        min(received, emit_frames + 1) frames (today's first window: zero padding after them), of which the
-        first `emit_frames` frames are returned at once (less `crossfade` samples when fewer frames were
-        available). The exact stream takes over after that point with a raised-cosine crossfade over
-        `crossfade` samples, so later `step_batch` audio continues it without a step; from the end of the
-        crossfade on, the audio is exact. Runs eagerly (once per utterance), batched per window length."""
-        if not 0 <= crossfade <= SAMPLES_PER_FRAME or not 1 <= emit_frames < MAX_HEAD_FRAMES:
-            raise ValueError("crossfade must be in [0, 2048] samples and emit_frames in [1, 7]")
+    def bridging_over(self, handle: StreamHandle) -> bool:
+        """Whether `bridge` can give this stream no more audio: the exact stream has taken over (it handed out
+        audio past the bridge's), the stream is done or closed, or its bridged frames reached MAX_HEAD_FRAMES."""
+        return (handle.closed or handle.emitted > handle.handover or self.done(handle)
+                or handle.bridged >= MAX_HEAD_FRAMES)
+
+    @staticmethod
+    def check_bridge(lookahead: int, crossfade: int = 0) -> None:
+        """The bounds of `bridge`'s arguments: ValueError outside them."""
+        if not 0 <= crossfade <= SAMPLES_PER_FRAME or not 0 <= lookahead < MAX_HEAD_FRAMES:
+            raise ValueError(f"crossfade must be in [0, {SAMPLES_PER_FRAME}] samples and the lookahead in "
+                             f"[0, {MAX_HEAD_FRAMES - 1}] frames")
+
+    def bridgeable(self, handle: StreamHandle, lookahead: int = 1, crossfade: int = 512) -> bool:
+        """Whether `bridge` would hand out audio for this stream now."""
+        return self._bridge_plan(handle, lookahead, crossfade) is not None
+
+    def _bridge_plan(self, h: StreamHandle, lookahead: int, crossfade: int) -> tuple[int, int, int, bool] | None:
+        """(first frame, frames, reach, whole) of the stream's next bridge decode, or None if it would add no
+        audio. `whole`: the decode ends at the utterance's true end (finished, all frames within the head)."""
+        if h.received == 0 or self.bridging_over(h):
+            return None
+        frames = min(h.received, MAX_HEAD_FRAMES)
+        whole = h.finished and h.received == frames
+        if frames <= h.bridged and not whole:
+            return None
+        total = frames * SAMPLES_PER_FRAME
+        reach = total if whole else min((frames - lookahead) * SAMPLES_PER_FRAME, total - crossfade)
+        fading = 0 if h._fade is None else h._fade.shape[0]
+        if reach <= h.emitted or reach < h.emitted + fading:
+            return None
+        # Left context for the samples it hands out; the whole utterance's end decodes from frame 0, so it is exact.
+        first = 0 if whole else max(0, h.emitted // SAMPLES_PER_FRAME - BRIDGE_CONTEXT_FRAMES)
+        return first, frames - first, reach, whole
+
+    def bridge(self, handles: Sequence[StreamHandle], lookahead: int = 1, crossfade: int = 512, *,
+               as_float: bool = False) -> list[np.ndarray]:
+        """Fast, approximate audio of streams the exact stream has not taken over yet, ahead of it: a decode of
+        their latest frames (up to the first MAX_HEAD_FRAMES; BRIDGE_CONTEXT_FRAMES of left context, zero padding
+        after the last frame, as a sliding window decodes), of which the audio up to `lookahead` frames before
+        its end is handed out (at most `crossfade` samples before the end: those are kept to fade into what
+        comes next). Each call continues the last one with a raised-cosine crossfade of `crossfade` samples, and
+        the exact stream takes over the same way once it is past the bridge's audio: `step_batch` hands out
+        nothing before then, and from the end of that crossfade on the audio is exact. Where the decode reaches
+        the end of a finished utterance, it decodes from frame 0 and all of it is exact (the stream is done).
+
+        Handles with nothing to add get empty audio. Runs eagerly (a few times per utterance at most), batched
+        per decode length. `lookahead` 0 hands out a frame as soon as it is in (the fastest first audio)."""
+        self.check_bridge(lookahead, crossfade)
         out = [np.zeros(0, dtype=np.float32 if as_float else np.int16) for _ in handles]
-        groups: dict[int, list[tuple[int, StreamHandle]]] = {}
+        groups: dict[int, list[tuple[int, StreamHandle, int, int, bool]]] = {}
         for i, h in enumerate(handles):
-            if h.closed or h.received == 0 or h.emitted > 0 or h._fade is not None:
-                raise ValueError("first_chunk needs an open stream with frames and no audio out yet")
-            groups.setdefault(min(h.received, emit_frames + 1), []).append((i, h))
-        for window, group in sorted(groups.items()):
-            codes = torch.tensor([h._head[:window] for _, h in group], dtype=torch.int64, device=self.device)
-            seeds = torch.tensor([h.seed for _, h in group], dtype=torch.int64, device=self.device)
+            plan = self._bridge_plan(h, lookahead, crossfade)
+            if plan is not None:
+                first, frames, reach, whole = plan
+                groups.setdefault(frames, []).append((i, h, first, reach, whole))
+        for frames, group in sorted(groups.items()):
+            codes = torch.tensor([h._head[first:first + frames] for _, h, first, _, _ in group], dtype=torch.int64,
+                                 device=self.device)
+            offsets = torch.tensor([first for _, _, first, _, _ in group], dtype=torch.int64, device=self.device)
+            seeds = torch.tensor([h.seed for _, h, _, _, _ in group], dtype=torch.int64, device=self.device)
             with torch.inference_mode():
-                audio = self.decoder.full(codes, torch.zeros_like(seeds), seeds).float().cpu().numpy()
-            self.stats.approx_frames += window * len(group)
-            total = window * SAMPLES_PER_FRAME
-            for row, (i, h) in enumerate(group):
-                whole = h.finished and h.received == window  # the window is the utterance: exact already
-                handover = total if whole else min(min(emit_frames, window) * SAMPLES_PER_FRAME, total - crossfade)
-                h.handover = h.emitted = handover
-                h._fade = audio[row, handover:handover + crossfade].copy() if crossfade and not whole else None
-                piece = audio[row, :handover]
+                audio = self.decoder.full(codes, offsets, seeds).float().cpu().numpy()
+            self.stats.approx_frames += frames * len(group)
+            for row, (i, h, first, reach, whole) in enumerate(group):
+                base = first * SAMPLES_PER_FRAME
+                piece = audio[row, h.emitted - base:reach - base]
+                if h._fade is not None:  # continue the last bridge's audio without a step
+                    n = h._fade.shape[0]
+                    weight = _fade_in(n)
+                    piece = piece.copy()
+                    piece[:n] = (1.0 - weight) * h._fade + weight * piece[:n]
+                h._fade = audio[row, reach - base:reach - base + crossfade].copy() if crossfade and not whole \
+                    else None
+                h.handover = h.emitted = reach
+                h.bridged = min(h.received, MAX_HEAD_FRAMES)
                 out[i] = piece if as_float else _to_int16(piece)
         return out
 

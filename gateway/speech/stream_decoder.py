@@ -3,8 +3,16 @@ thread owns it, and each tick advances all streams that have a frame to decode i
 
 Deadline order: each tick takes the ready streams by how far their audio runs ahead of real time, least first
 (a stream about to run dry before one far ahead), up to `max_batch`; a stream that is far ahead simply waits a
-tick when the batch is full. A stream's first audio comes from `first_chunk` (an approximate decode of its first
-frames, crossfaded into the exact stream): after `first_frames + 1` frames, or as soon as its sentence ends.
+tick when the batch is full.
+
+Fast start: a stream's first audio comes from `StreamingSnac.bridge` (an approximate decode of its latest
+frames, crossfaded into what follows) as soon as `1 + lookahead` frames are in (lookahead 0 when the engine's
+tokens come fast, else 1), or as soon as its sentence ends. The exact stream hands out audio 4757 samples (2.3
+frames) behind its input, 2709 samples later than the bridge with one frame of lookahead; taking over from the
+bridge therefore costs that much lead once. So the bridge goes on with each new frame until the stream's lead
+covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time generation pace, see `_tick`) or it
+reaches the head's end (8 frames); then the exact stream takes over with a crossfade. A stream whose listener
+buffers (the lead includes the listener's jitter buffer) hands over at once.
 
 The event loop only enqueues commands and awaits chunks; nothing here blocks it.
 """
@@ -23,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.orpheus import Frame
+from gateway.orpheus import SAMPLE_RATE, Frame
 from gateway.speech.codec import DecodeStats
 
 if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_server imports it, torch-free)
@@ -32,7 +40,9 @@ if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_s
 log = logging.getLogger(__name__)
 
 STEPS_BEFORE_AUDIO = 2  # a stream's first two steps emit nothing (4096 < 4757 samples of delay): step that far
-FIRST_CHUNK_CROSSFADE = 512  # samples: halves the hand-over error of a 256-sample fade (snac_stream docstring)
+BRIDGE_CROSSFADE = 512  # samples: halves the hand-over error of a 256-sample fade (snac_stream docstring)
+# Lead beyond the hand-over's own need: a tick's decode and delivery (~15 ms at 256 streams on an H200).
+HANDOVER_MARGIN_S = 0.02
 
 
 @dataclass(eq=False)
@@ -42,10 +52,11 @@ class DecodeStream:
 
     loop: asyncio.AbstractEventLoop
     lead_s: Callable[[], float]  # how far this utterance's audio out runs ahead of real time (the deadline)
-    first_frames: int = 2  # frames the first chunk emits (1: fastest start, 2: more slack before exact audio)
+    lookahead: int = 1  # frames the first audio waits for beyond its own (0: as soon as one frame is in)
     chunks: asyncio.Queue[tuple[np.ndarray, bool] | BaseException | None] = field(default_factory=asyncio.Queue)
     handle: StreamHandle | None = None  # worker thread only
-    started: bool = False  # worker thread only: its first chunk went out
+    started: bool = False  # worker thread only: its first audio went out
+    bridging: bool = True  # worker thread only: the bridge, not yet the exact stream, hands out its audio
 
 
 class StreamDecoder:
@@ -56,6 +67,8 @@ class StreamDecoder:
         self.snac = snac
         self.max_batch = max_batch
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
+        # Lead at which the exact stream takes over from the bridge (`_bridge`).
+        self.handover_lead_s = snac.delay_samples / SAMPLE_RATE + HANDOVER_MARGIN_S
         self.stats = DecodeStats()
         self._commands: queue.SimpleQueue[tuple[str, DecodeStream, Any] | None] = queue.SimpleQueue()
         self._streams: list[DecodeStream] = []
@@ -64,10 +77,10 @@ class StreamDecoder:
         self._thread.start()
 
     # --- event-loop side --------------------------------------------------------------------------
-    def open(self, lead_s: Callable[[], float], first_frames: int = 2) -> DecodeStream:
+    def open(self, lead_s: Callable[[], float], lookahead: int = 1) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
-        stream = DecodeStream(asyncio.get_running_loop(), lead_s, first_frames)
+        stream = DecodeStream(asyncio.get_running_loop(), lead_s, lookahead)
         self._commands.put(("open", stream, None))
         return stream
 
@@ -116,6 +129,7 @@ class StreamDecoder:
             elif stream.handle is None or stream.handle.closed:
                 return  # opened after a failure, or already released
             elif kind == "push":
+                self.snac.check_bridge(stream.lookahead)  # a bad one fails the stream now, not once its head is in
                 self.snac.push(stream.handle, frames)
             elif kind == "finish":
                 self.snac.finish(stream.handle)
@@ -130,20 +144,24 @@ class StreamDecoder:
         if handle is None or handle.closed:
             return False
         if not stream.started:
-            return self._head_ready(stream) or (self.snac.ready(handle) and handle.stepped < STEPS_BEFORE_AUDIO)
-        return self.snac.ready(handle)
+            return self._head_ready(stream) or self._steppable(stream)
+        return self._steppable(stream) or (stream.bridging and self.snac.bridgeable(handle, 1, BRIDGE_CROSSFADE))
+
+    def _steppable(self, stream: DecodeStream) -> bool:
+        """The exact stream can advance: before the first audio only through its silent first steps."""
+        handle = stream.handle
+        return handle is not None and self.snac.ready(handle) and (
+            stream.started or handle.stepped < STEPS_BEFORE_AUDIO)
 
     def _head_ready(self, stream: DecodeStream) -> bool:
         handle = stream.handle
         assert handle is not None
-        return handle.received >= stream.first_frames + 1 or (handle.finished and handle.received > 0)
+        return handle.received >= stream.lookahead + 1 or (handle.finished and handle.received > 0)
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
-        heads = [s for s in self._streams if not s.started and s.handle is not None and self._head_ready(s)]
-        if heads:
-            self._first_chunks(heads)
-        ready = [s for s in self._streams if self._workable(s)]  # the heads just started are workable now
+        self._bridge()
+        ready = [s for s in self._streams if self._steppable(s)]
         if not ready:
             self._finish_done()
             return
@@ -166,21 +184,34 @@ class StreamDecoder:
         self._deliver([(s, p) for s, p in zip(batch, pcm, strict=True) if len(p)])
         self._finish_done()
 
-    def _first_chunks(self, heads: list[DecodeStream]) -> None:
-        by_frames: dict[int, list[DecodeStream]] = {}
-        for stream in heads:
-            by_frames.setdefault(stream.first_frames, []).append(stream)
-        for frames, group in by_frames.items():
+    def _bridge(self) -> None:
+        """First audio of the streams whose head is ready, and more bridge audio for started streams still short
+        of the lead the exact stream's hand-over costs: after the bridge's last audio (one frame behind its
+        input), the exact stream's next comes two frames later and 4757 - 2 * 2048 samples short, so at
+        real-time generation pace the lead must hold 4757 samples (`handover_lead_s`)."""
+        by_lookahead: dict[int, list[DecodeStream]] = {}
+        for stream in self._streams:
+            handle = stream.handle
+            if handle is None or not stream.bridging:
+                continue
+            if not stream.started:
+                if self._head_ready(stream):
+                    by_lookahead.setdefault(stream.lookahead, []).append(stream)
+            elif self.snac.bridging_over(handle) or stream.lead_s() >= self.handover_lead_s:
+                stream.bridging = False
+            elif self.snac.bridgeable(handle, 1, BRIDGE_CROSSFADE):
+                by_lookahead.setdefault(1, []).append(stream)
+        for lookahead, group in by_lookahead.items():
             try:
-                pcm = self.snac.first_chunk([s.handle for s in group], emit_frames=frames,  # type: ignore[misc]
-                                            crossfade=FIRST_CHUNK_CROSSFADE)
+                pcm = self.snac.bridge([s.handle for s in group], lookahead=lookahead,  # type: ignore[misc]
+                                       crossfade=BRIDGE_CROSSFADE)
             except Exception as exc:
-                log.exception("SNAC first chunk failed for %d streams", len(group))
+                log.exception("SNAC bridge failed for %d streams", len(group))
                 self._fail(group, exc)
                 continue
             for stream in group:
                 stream.started = True
-            self._deliver(list(zip(group, pcm, strict=True)))
+            self._deliver([(s, p) for s, p in zip(group, pcm, strict=True) if len(p)])
 
     def _finish_done(self) -> None:
         for stream in [s for s in self._streams if s.handle is not None and self.snac.done(s.handle)]:

@@ -92,6 +92,9 @@ class UtteranceStats:
     """What happened while one utterance was made (for events, metrics and benchmarks)."""
 
     started: float = field(default_factory=time.monotonic)
+    # Audio the listener holds back before it plays (its jitter buffer): it counts toward the lead the decoder
+    # orders streams by, so a buffered listener's stream waits for one that plays what it gets at once.
+    listener_buffer_s: float = 0.0
     first_token_at: float | None = None
     first_window_at: float | None = None  # the first decode window went to SNAC (first audio = this + decode)
     first_audio_at: float | None = None
@@ -357,10 +360,11 @@ class Synthesizer:
 
     @staticmethod
     def _lead_s(stats: UtteranceStats) -> float:
-        """How far the utterance's audio out runs ahead of real time (0 before its first audio)."""
+        """How far the utterance's audio out runs ahead of its listener's playback, whose buffer counts (0 before
+        its first audio: then every stream is urgent)."""
         if stats.first_audio_at is None:
             return 0.0
-        return stats.samples / SAMPLE_RATE - (time.monotonic() - stats.first_audio_at)
+        return stats.samples / SAMPLE_RATE - (time.monotonic() - stats.first_audio_at) + stats.listener_buffer_s
 
     def _put(self, chunks: asyncio.Queue[Any], pcm: np.ndarray, index: int, sentence: str, first: bool,
              stats: UtteranceStats, last: bool) -> bool:
@@ -432,8 +436,8 @@ class _StreamFeed:
 
     def push(self, frames: list[Frame], early: bool) -> None:
         if self.received == 0:
-            # Fast tokens: the first chunk is one frame, out once two are here; else two, once three are.
-            self.stream.first_frames = 1 if early else 2
+            # Fast tokens: the first audio as soon as one frame is here; else once its lookahead frame is.
+            self.stream.lookahead = 0 if early else 1
             if self.stats.first_window_at is None:
                 self.stats.first_window_at = time.monotonic()
         self.received += len(frames)
