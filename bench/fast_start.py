@@ -10,9 +10,10 @@ sentence whose frames arrive at a steady generation pace: 3x real time is one st
 1/dilation of itself: the figures are those of a decoder that many times faster than this CPU (an H200 is faster
 still), i.e. they show what the policy costs in frames and lead, not what a GPU's decode adds. Policies:
 
-    bridge         the gateway's: first audio from one frame (lookahead 0, fast tokens), the bridge goes on with
-                   each frame until the lead covers the hand-over (`StreamDecoder.handover_lead_s`)
-    bridge-la1     the same with lookahead 1 (the engine's tokens come slowly: first audio once two frames are in)
+    bridge-la0     the gateway's when tokens come fast (`--decode-fast-start-ms`: the 2nd frame's window within
+                   45 ms, i.e. about 4x real time): first audio from one frame (lookahead 0); the bridge goes on
+                   with each frame until the lead covers the hand-over (`StreamDecoder.handover_lead_s`)
+    bridge-la1     the gateway's otherwise: the same with lookahead 1 (first audio once two frames are in)
     first-only     what the decoder did before the bridge went on: first audio once two frames are in, the exact
                    stream takes over right after it
 
@@ -41,7 +42,7 @@ from gateway.speech.stream_decoder import StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE  # 85.3 ms of audio per frame
 POLICIES: dict[str, tuple[int, bool]] = {  # name: (lookahead, the bridge goes on after the first audio)
-    "bridge": (0, True),
+    "bridge-la0": (0, True),
     "bridge-la1": (1, True),
     "first-only": (1, False),
 }
@@ -139,7 +140,7 @@ async def main_async(args: argparse.Namespace, report: Callable[[str], None]) ->
     decoder = StreamDecoder(load_snac(args.snac))
     runs = []
     try:
-        await run_one(decoder, random_frames(8, seed=99), "bridge", 3.0, args.dilation)  # warm-up, not counted
+        await run_one(decoder, random_frames(8, seed=99), "bridge-la0", 3.0, args.dilation)  # warm-up, not counted
         for pace in args.paces:
             for policy in args.policies:
                 run = await run_one(decoder, random_frames(args.frames, seed=len(runs)), policy, pace, args.dilation)

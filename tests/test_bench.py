@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bench import fast_start
 from bench.corpus import SIZES, mixed
 from bench.report import markdown_table
 from bench.run import run_scenarios
@@ -137,3 +138,15 @@ def test_opus_cpu_bench_writes_both_paths(tmp_path: Path) -> None:
     assert [(r["content"], r["path"].split(",")[0]) for r in rows] == [
         ("speech", "aiortc"), ("speech", "gateway"), ("silence", "aiortc"), ("silence", "gateway")]
     assert all(r["cpu_ms_per_frame"] >= 0 for r in rows)
+
+
+def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_path: Path) -> None:
+    """bench.fast_start runs the real stream decoder in model time: the bridge hands out audio past the first
+    frame before the exact stream takes over; without it, the exact stream takes over after one frame."""
+    out = tmp_path / "fast_start.json"
+    assert fast_start.main(["--paces", "3", "--frames", "12", "--dilation", "4", "--policies", "bridge-la1,first-only",
+                            "--out", str(out)]) == 0
+    runs = {run["policy"]: run for run in json.loads(out.read_text())["runs"]}
+    assert runs["first-only"]["handover_ms"] == pytest.approx(85.3, abs=0.1)
+    assert runs["bridge-la1"]["handover_ms"] > runs["first-only"]["handover_ms"]
+    assert all(run["frames_at_first_audio"] >= 2 and run["exact_frames_per_frame"] > 1 for run in runs.values())
