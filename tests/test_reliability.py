@@ -569,6 +569,27 @@ async def test_snac_decode_failure_fails_that_utterance_only(
 
 
 @needs_engine
+async def test_speak_before_the_synthesizer_is_loaded_says_when_to_retry(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """While the gateway still loads its synthesizer (its state holds none yet), `speak` is refused as
+    `engine_unavailable` with the same `retry_after_s` as HTTP's Retry-After; once it is there, the session speaks."""
+    async with running(test_config, synthesizer) as (base, gateway):
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        await peer.connect()
+        try:
+            gateway.synthesizer = None  # as between start-up and the end of `Synthesizer.load`
+            peer.speak("early", "Hello?")
+            refused = await peer.wait_event("error", "early", timeout=EVENT_TIMEOUT_S)
+            assert refused["code"] == "engine_unavailable" and refused["retry_after_s"] == ENGINE_RETRY_AFTER_S
+            gateway.synthesizer = synthesizer
+            peer.speak("later", "Hello.")
+            await peer.wait_event("done", "later", timeout=EVENT_TIMEOUT_S)
+        finally:
+            gateway.synthesizer = synthesizer
+            await peer.close()
+
+
+@needs_engine
 async def test_engine_death_mid_utterance_reports_and_recovers(
         test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
     """Kill the engine core mid-utterance: `engine_dead` by name, then the same session speaks again."""

@@ -29,6 +29,7 @@ from gateway.rtc.services import SessionServices
 from gateway.rtc.speaker import Speaker
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot, TokenBucket
+from gateway.speech.engine import EngineUnavailableError
 from gateway.speech.synthesizer import InvalidRequestError, check_text, resolve_voice
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class Session:
         try:
             self.handle(raw)
         except ProtocolError as exc:
-            self.send_error(exc.code, str(exc), exc.utterance_id)
+            self.send_error(exc.code, str(exc), exc.utterance_id, exc.retry_after_s)
         except Exception:  # a bug must cost one message, never the session
             log.exception("session %s: message handling failed", self.id)
             self.send_error("internal_error", "the message could not be handled")
@@ -153,7 +154,8 @@ class Session:
     def speak(self, message: Speak) -> None:
         utterance_id = message.id
         if self.services.synthesizer() is None:
-            raise ProtocolError("engine_unavailable", "the speech engine is still starting", utterance_id)
+            raise ProtocolError(EngineUnavailableError.code, "the speech engine is still starting", utterance_id,
+                                EngineUnavailableError.retry_after_s)
         limit = self.config.max_text_chars
         if utterance_id in self._abandoned:
             # The rest of an utterance cancelled or failed while its text was arriving: speaking the tail as a
