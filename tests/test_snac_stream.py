@@ -27,6 +27,7 @@ from gateway.speech.snac_stream import (
     reference_decode,
 )
 from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
+from tests.support import wait_until
 
 EXACT = 1e-5  # float32 max abs difference that counts as exact (measured: ~6e-7; audio peaks ~0.7)
 BF16_MIN_SNR_DB = 33.0  # measured 39 dB on CPU (40 dB on an H200 for windowed decodes); see test_half_precision_snr
@@ -477,6 +478,35 @@ async def test_the_bridge_goes_on_until_the_lead_covers_the_handover(snac_model:
         rest = await _decoded(stream)
         assert stream.handle is not None and stream.handle.handover == handover
         assert sum(len(p) for p in [first[0], *rest]) == len(frames) * SAMPLES_PER_FRAME
+    finally:
+        decoder.close()
+
+
+@pytest.mark.parametrize(("lead_per_frame_s", "handover_frames"), [(0.0, 2), (0.02, MAX_HEAD_FRAMES - 1)])
+async def test_the_bridge_stops_early_when_the_lead_will_not_cover_the_handover(
+        snac_model: torch.nn.Module, lead_per_frame_s: float, handover_frames: int) -> None:
+    """Frames one at a time. A lead that does not grow (generation at real-time pace) will never cover the
+    hand-over: the bridge stops at its second check instead of decoding on to the head's end. A lead that grows
+    20 ms a frame (generation at ~1.3x) needs 198 - 3 x 20 ms by the head's end and gets there: it bridges on."""
+    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
+    try:
+        frames = make_frames(12, seed=13)
+        holder: list[DecodeStream] = []
+
+        def lead_s() -> float:
+            handle = holder[0].handle if holder else None
+            return lead_per_frame_s * (handle.bridged if handle is not None else 0)
+
+        stream = decoder.open(lead_s, lookahead=1)
+        holder.append(stream)
+        for k in range(2, len(frames) + 1):
+            decoder.push(stream, frames[k - 1:k] if k > 2 else frames[:2])
+            await wait_until(lambda k=k: stream.handle is not None and (
+                not stream.bridging or stream.handle.bridged >= min(k, MAX_HEAD_FRAMES)), timeout=60)
+        decoder.finish(stream)
+        pieces = await _decoded(stream)
+        assert stream.handle is not None and stream.handle.handover == handover_frames * SAMPLES_PER_FRAME
+        assert sum(len(p) for p in pieces) == len(frames) * SAMPLES_PER_FRAME
     finally:
         decoder.close()
 

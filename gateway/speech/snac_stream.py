@@ -563,6 +563,8 @@ class StreamingSnac:
         ...until snac.done(h); snac.close(h)
     """
 
+    HEAD_FRAMES = MAX_HEAD_FRAMES  # for callers without torch (the stream decoder): the bridge's reach
+
     def __init__(self, model: Any, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                  max_streams: int = 64, chunk_frames: int = 1) -> None:
         """`model`: a `snac.SNAC` (24 kHz config); its decoder weights are copied, the model is not kept."""

@@ -10,8 +10,9 @@ frames, crossfaded into what follows) as soon as `1 + lookahead` frames are in (
 tokens come fast, else 1), or as soon as its sentence ends. The exact stream hands out audio 4757 samples (2.3
 frames) behind its input, 2709 samples later than the bridge with one frame of lookahead; taking over from the
 bridge therefore costs that much lead once. So the bridge goes on with each new frame until the stream's lead
-covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time generation pace, see `_tick`) or it
-reaches the head's end (8 frames); then the exact stream takes over with a crossfade. A stream whose listener
+covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time generation pace; less when the
+lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or stops early when the lead is not
+going to get there in time; then the exact stream takes over with a crossfade. A stream whose listener
 buffers (the lead includes the listener's jitter buffer) hands over at once.
 
 The event loop only enqueues commands and awaits chunks; nothing here blocks it.
@@ -57,6 +58,7 @@ class DecodeStream:
     handle: StreamHandle | None = None  # worker thread only
     started: bool = False  # worker thread only: its first audio went out
     bridging: bool = True  # worker thread only: the bridge, not yet the exact stream, hands out its audio
+    bridge_lead: tuple[int, float] | None = None  # worker thread only: (frames bridged, lead) at the last check
 
 
 class StreamDecoder:
@@ -184,11 +186,29 @@ class StreamDecoder:
         self._deliver([(s, p) for s, p in zip(batch, pcm, strict=True) if len(p)])
         self._finish_done()
 
+    def _keeps_bridging(self, stream: DecodeStream, bridged: int, lead_s: float) -> bool:
+        """Bridge on while the lead is short of what the hand-over needs, if at the pace it grew since the last
+        check it gets there by the head's end; otherwise bridging on would only postpone the same stall at three
+        decoded frames per frame (generation near real-time pace: a loaded engine).
+
+        The need: after the bridge's last piece (one frame behind its input), the exact stream's next audio comes
+        two frames later with 4757 - 2 * 2048 samples fewer, so the lead must cover three frame intervals T less
+        3 * 2048 - 4757 samples: `handover_lead_s` - 3 g, where g = 2048 samples - T is the lead a frame adds
+        (`handover_lead_s` itself at real-time pace, g = 0; before a second check g is not known)."""
+        last = stream.bridge_lead
+        stream.bridge_lead = (bridged, lead_s)
+        if last is None or bridged <= last[0]:
+            return lead_s < self.handover_lead_s
+        growth = max(0.0, (lead_s - last[1]) / (bridged - last[0]))
+        need = self.handover_lead_s - 3 * growth
+        return need > lead_s and lead_s + growth * (self.snac.HEAD_FRAMES - bridged) >= need
+
     def _bridge(self) -> None:
         """First audio of the streams whose head is ready, and more bridge audio for started streams still short
         of the lead the exact stream's hand-over costs: after the bridge's last audio (one frame behind its
         input), the exact stream's next comes two frames later and 4757 - 2 * 2048 samples short, so at
-        real-time generation pace the lead must hold 4757 samples (`handover_lead_s`)."""
+        real-time generation pace the lead must hold 4757 samples (`handover_lead_s`; less at a faster pace, see
+        `_keeps_bridging`)."""
         by_lookahead: dict[int, list[DecodeStream]] = {}
         for stream in self._streams:
             handle = stream.handle
@@ -197,10 +217,12 @@ class StreamDecoder:
             if not stream.started:
                 if self._head_ready(stream):
                     by_lookahead.setdefault(stream.lookahead, []).append(stream)
-            elif self.snac.bridging_over(handle) or stream.lead_s() >= self.handover_lead_s:
-                stream.bridging = False
-            elif self.snac.bridgeable(handle, 1, BRIDGE_CROSSFADE):
+            elif self.snac.bridging_over(handle) or not self.snac.bridgeable(handle, 1, BRIDGE_CROSSFADE):
+                stream.bridging = not self.snac.bridging_over(handle)
+            elif self._keeps_bridging(stream, handle.bridged, stream.lead_s()):
                 by_lookahead.setdefault(1, []).append(stream)
+            else:
+                stream.bridging = False
         for lookahead, group in by_lookahead.items():
             try:
                 pcm = self.snac.bridge([s.handle for s in group], lookahead=lookahead,  # type: ignore[misc]
