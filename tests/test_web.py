@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import re
 import time
 from collections.abc import AsyncIterator
@@ -60,6 +61,17 @@ INBOUND_AUDIO_JS = """async () => {
 }"""
 
 
+# Each change of the page's state, recorded in the page as it happens (with the status line, the error box and the
+# time), for the tests of reconnecting: a state that lasts a fraction of a second is easily missed by polling.
+RECORD_STATES_JS = """() => {
+  window.__states = [];
+  const text = (id) => document.getElementById(id).textContent;
+  new MutationObserver(() => window.__states.push({
+    state: document.body.dataset.state, at: performance.now(), now: text('now'), error: text('error'),
+  })).observe(document.body, { attributes: true, attributeFilter: ['data-state'] });
+}"""
+
+
 @pytest.fixture(scope="module")
 async def server(test_config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[TestServer]:
     test_server = TestServer(create_app(test_config, synthesizer), host="127.0.0.1")
@@ -91,6 +103,19 @@ async def open_page(browser: Any, base_url: str, width: int = 1100, height: int 
     await page.goto(f"{base_url}/")
     await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
     return page, errors
+
+
+async def open_with(page: Any, query: str) -> None:
+    """The page again, with settings in its query string (`token=...`, `reconnect_base_ms=...`)."""
+    await page.goto(f"{page.url.split('?')[0]}?{query}")
+    await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+
+
+async def reached(page: Any, state: str, timeout_s: float = 20) -> dict[str, Any]:
+    """The first record of `state` since RECORD_STATES_JS, waited for."""
+    found = await page.wait_for_function("(state) => window.__states.find((s) => s.state === state)", arg=state,
+                                         timeout=timeout_s * 1000)
+    return await found.json_value()
 
 
 @pytest.fixture()
@@ -215,19 +240,137 @@ async def test_stop_cancels_a_long_text_and_disconnect_ends_the_session(page: An
     await wait_until(lambda: session_id not in sessions, timeout=10)
 
 
-async def test_a_server_gone_silent_is_noticed_within_seconds(page: Any, server: TestServer) -> None:
+async def test_a_server_gone_silent_is_noticed_and_the_page_reconnects_by_itself(page: Any, server: TestServer
+                                                                                ) -> None:
     """A server that stops answering without closing anything, as a killed gateway worker does (bench.faults: its
     clients noticed only through ICE consent checks, after ~31 s): the page's pings go unanswered, and within
-    three ping intervals it drops the peer and says so."""
+    three ping intervals it drops the peer and says so. Then it comes back by itself (here to the same server, which
+    still runs), with the voice the student picked, and speaks again; the phrase the loss cut off is shown as not
+    finished and is not asked for again."""
+    await open_with(page, "reconnect_base_ms=300")
+    voice = (await page.eval_on_selector_all("#voice option", "(options) => options.map((o) => o.value)"))[-1]
+    await page.select_option("#voice", voice)
     await connect(page)
+    sessions = server.app[GATEWAY_KEY].sessions.sessions
     session_id = await page.evaluate("window.__app.connection.sessionId")
-    session = server.app[GATEWAY_KEY].sessions.sessions[session_id]
-    session.send = lambda *_: None  # type: ignore[method-assign]  # it hears the pings, answers nothing
-    muted_at = time.monotonic()
-    await page.wait_for_selector('body[data-state="disconnected"]', timeout=20_000)
-    assert time.monotonic() - muted_at < 10
-    assert "stopped answering" in await page.text_content("#error")
+    await page.evaluate(RECORD_STATES_JS)
+    # Hung: it takes the page's messages and neither answers nor acts on them (no synthesis either, which on 2 cores
+    # would slow the page and this test down enough to blur the time it takes to notice).
+    sessions[session_id].send = sessions[session_id].handle = lambda *_: None  # type: ignore[method-assign]
+    muted_at = await page.evaluate("performance.now()")
+    cut = page.locator(".phrase").first
+    await cut.click()  # asked for, and never heard of again: in flight when the session is lost
+
+    lost = await reached(page, "reconnecting")
+    assert lost["at"] - muted_at < 10_000, "noticed within three ping intervals (and a little)"
+    assert "stopped answering" in lost["error"]
+    assert lost["now"].startswith("Reconnecting in") and "(attempt 1 of 6)" in lost["now"], lost
+
+    back = await reached(page, "ready", READY_S)
+    assert back["now"].startswith("Connected again") and not back["error"], back
+    assert await page.get_attribute("body", "data-state") == "ready"
+    assert (await cut.get_attribute("class")).split() == ["phrase", "cut"], "shown as not finished"
+    assert await page.is_hidden("#error")
+    assert "Reconnecting (attempt 1 of 6)" in await page.text_content("#log")
+    new_session_id = await page.evaluate("window.__app.connection.sessionId")
+    assert new_session_id != session_id and new_session_id in sessions
+    wire = await page.evaluate("window.__app.connection.wire")
+    assert wire[0]["direction"] == "offer" and wire[0]["message"]["voice"] == voice, "the student's voice is kept"
+    assert await page.input_value("#voice") == voice
+    assert not [r for r in wire if r["message"]["type"] in ("speak", "repeat")], "nothing lost is asked for again"
+
+    await page.locator(".phrase").nth(1).click()
+    await page.wait_for_selector('#now[data-kind="done"]', timeout=SPEECH_S * 1000)
+    await asyncio.sleep(0.5)  # the last packets are still in flight when `done` is sent
+    stats = await page.evaluate(INBOUND_AUDIO_JS)
+    assert stats is not None and stats["packetsReceived"] > 0, "the new peer brought the audio"
+    assert (await cut.get_attribute("class")).split() == ["phrase", "cut"], "still not finished until picked again"
+    speaks = [r["message"] for r in await page.evaluate("window.__app.connection.wire")
+              if r["message"]["type"] == "speak"]
+    assert [m["text"] for m in speaks] == [await page.locator(".phrase .text").nth(1).text_content()]
+
+
+async def test_disconnect_while_waiting_to_reconnect_stops_reconnecting(page: Any, server: TestServer) -> None:
+    # A long first wait (3.5-5 s: jitter only shortens it), so that Disconnect surely comes before the attempt.
+    await open_with(page, "reconnect_base_ms=5000")
+    await connect(page)
+    await page.evaluate(RECORD_STATES_JS)
+    offers: list[str] = []
+    page.on("request", lambda request: offers.append(request.url) if urlsplit(request.url).path == OFFER_PATH
+            else None)
+    session_id = await page.evaluate("window.__app.connection.sessionId")
+    await server.app[GATEWAY_KEY].sessions.sessions[session_id].close()  # the peer is gone without a word
+
+    assert (await reached(page, "reconnecting"))["now"].startswith("Reconnecting in")
+    assert await page.is_disabled("#connect") and await page.is_enabled("#disconnect"), "Disconnect stops it"
+    await page.click("#disconnect")
+    await page.wait_for_selector('body[data-state="disconnected"]', timeout=5000)
+    await asyncio.sleep(5.5)  # past the time the attempt was due
+    assert offers == [], "no reconnect attempt after Disconnect"
+    assert await page.get_attribute("body", "data-state") == "disconnected"
+    assert await page.evaluate("window.__app.connection") is None
+    assert await page.evaluate("window.__app.reconnectAttempt") == 0
+    assert (await page.text_content("#now")).startswith("Disconnected.")
     assert await page.is_enabled("#connect")
+
+
+async def test_reconnecting_honours_retry_after_and_gives_up_after_its_attempts(page: Any, server: TestServer
+                                                                               ) -> None:
+    await open_with(page, "reconnect_base_ms=100&reconnect_attempts=3")
+    await connect(page)
+    refused_at: list[float] = []
+
+    async def at_capacity(route: Any) -> None:
+        refused_at.append(time.monotonic())
+        await route.fulfill(status=503, headers={"Retry-After": "2"},
+                            json={"error": {"code": "at_capacity", "message": "full for the test"}})
+
+    await page.route(f"**{OFFER_PATH}", at_capacity)
+    await page.evaluate(RECORD_STATES_JS)
+    session_id = await page.evaluate("window.__app.connection.sessionId")
+    await server.app[GATEWAY_KEY].sessions.sessions[session_id].close()
+
+    await reached(page, "reconnecting")
+    await reached(page, "disconnected", 30)
+    assert len(refused_at) == 3, "three attempts, then it stops"
+    gaps = [later - earlier for earlier, later in itertools.pairwise(refused_at)]
+    assert all(gap >= 1.9 for gap in gaps), f"the backoff alone waits 0.2 and 0.4 s; Retry-After says 2: {gaps}"
+    error = await page.text_content("#error")
+    assert error.startswith("Could not reconnect after 3 attempts.") and "at capacity" in error, error
+    assert await page.is_enabled("#connect")
+
+
+async def test_reconnecting_stops_at_a_refusal_that_asking_again_cannot_change(page: Any, server: TestServer
+                                                                              ) -> None:
+    await open_with(page, "reconnect_base_ms=100")
+    await connect(page)
+    offers: list[str] = []
+
+    async def forbidden(route: Any) -> None:
+        offers.append(route.request.url)
+        await route.fulfill(status=403, json={"error": {"code": "forbidden", "message": "refused for the test"}})
+
+    await page.route(f"**{OFFER_PATH}", forbidden)
+    await page.evaluate(RECORD_STATES_JS)
+    session_id = await page.evaluate("window.__app.connection.sessionId")
+    await server.app[GATEWAY_KEY].sessions.sessions[session_id].close()
+
+    await reached(page, "reconnecting")
+    await reached(page, "disconnected")
+    assert len(offers) == 1
+    assert (await page.text_content("#error")).startswith("Could not reconnect. Access refused")
+
+
+async def test_backoff_doubles_to_its_cap_with_jitter_and_never_undercuts_retry_after(page: Any) -> None:
+    delays = await page.evaluate("""async () => {
+      const { backoffDelayMs } = await import('/static/reconnect.js');
+      const waits = (random, retryAfterS) => [1, 2, 3, 4, 5, 6].map((n) => backoffDelayMs(n, { random, retryAfterS }));
+      return { longest: waits(() => 0), shortest: waits(() => 1), after: waits(() => 0, 10), late: waits(() => 1, 10) };
+    }""")
+    assert delays["longest"] == pytest.approx([1000, 2000, 4000, 8000, 15000, 15000])
+    assert delays["shortest"] == pytest.approx([700, 1400, 2800, 5600, 10500, 10500])
+    assert delays["after"] == pytest.approx([10000, 10000, 10000, 10000, 15000, 15000])
+    assert delays["late"] == pytest.approx([13000] * 6), "many pages told the same Retry-After spread out above it"
 
 
 async def test_unknown_voice_shows_the_servers_message(page: Any) -> None:

@@ -1,13 +1,15 @@
 // The lesson page: wires the buttons to a TutorConnection, the remote audio to the <audio> element and
 // the avatar, and the server's events to the phrase highlight, the karaoke (the word being heard), the
-// avatar's visemes, the status line and the live panel.
+// avatar's visemes, the status line and the live panel. A lesson that was up and got lost comes back by itself
+// (reconnect.js), with the page's voice and settings; what the lost session was saying is not asked for again.
 
 import { Avatar } from './avatar.js';
 import { TutorConnection } from './connection.js';
 import { SpokenUtterance, heardRtp, highlightWord, renderWords } from './karaoke.js';
-import { SLOW_RATE, renderPhrases } from './lesson.js';
-import { connectErrorMessage, eventErrorMessage } from './messages.js';
+import { SLOW_RATE, forgetRecordings, renderPhrases } from './lesson.js';
+import { connectErrorMessage, eventErrorMessage, lostMessage } from './messages.js';
 import { jitterBufferMaxMs, loadProtocolSchema } from './protocol.js';
+import { Reconnector, isRetryable, reconnectsAfter } from './reconnect.js';
 import { inboundAudio, summarize } from './stats.js';
 
 const MAX_LOG_LINES = 60;
@@ -26,6 +28,8 @@ const ui = {
 
 const avatar = new Avatar($('avatar'), $('mouth'));
 let connection = null;
+const reconnector = new Reconnector();
+let lessonUp = false; // the tutor was ready since Connect was pressed: losing it now is worth coming back from
 let audioContext = null;
 let statsTimer = null;
 let lastStats = null;
@@ -71,6 +75,7 @@ function shorten(text, max = 40) {
 }
 
 // 'disconnected' | 'connecting' | 'connected' (peer up, waiting for `ready`) | 'ready'
+// | 'reconnecting' (the session was lost; waiting or trying again until `ready`)
 function setState(state) {
   document.body.dataset.state = state;
   const ready = state === 'ready';
@@ -111,33 +116,82 @@ async function connect() {
   setState('connecting');
   setNow('Calling your tutor…');
   log(`Connecting (audio buffer ${jitter} ms)…`);
+  await openSession();
+}
 
+// One session with the page's settings as they are now (the voice picked, the audio buffer): for Connect, and
+// again for each reconnect attempt.
+async function openSession() {
   const conn = new TutorConnection();
   connection = conn;
-  conn.addEventListener('track', ({ detail }) => onTrack(detail.stream));
-  conn.addEventListener('message', ({ detail }) => onMessage(detail.msg));
+  // Events of a session the page has dropped (lost, or Disconnect pressed) no longer concern it.
+  conn.addEventListener('track', ({ detail }) => { if (connection === conn) onTrack(detail.stream); });
+  conn.addEventListener('message', ({ detail }) => { if (connection === conn) onMessage(detail.msg); });
   conn.addEventListener('state', ({ detail }) => onPeerState(conn, detail.state));
-  conn.addEventListener('closed', ({ detail }) => {
-    if (connection !== conn) return;
-    showError(detail.reason === 'silent'
-      ? 'The tutor stopped answering (the server may have restarted). Press Connect to continue.'
-      : 'The lesson connection was closed by the server. Press Connect to continue.');
-    teardown();
-  });
+  conn.addEventListener('closed', ({ detail }) => { if (connection === conn) onLost(detail); });
   try {
-    await conn.connect({ voice: ui.voice.value, jitterBufferMs: jitter });
+    await conn.connect({ voice: ui.voice.value, jitterBufferMs: Number(ui.jitter.value) });
   } catch (error) {
     if (connection !== conn) return; // the student pressed Disconnect meanwhile
-    showError(connectErrorMessage(error));
     conn.close();
-    teardown();
+    if (!reconnector.active) {
+      showError(connectErrorMessage(error));
+      teardown();
+    } else if (isRetryable(error)) {
+      retryLater(connectErrorMessage(error), error.retryAfterS);
+    } else { // refused (access, a voice gone): asking again would be refused again
+      giveUp(`Could not reconnect. ${connectErrorMessage(error)}`);
+    }
     return;
   }
   if (connection !== conn) return;
   if (document.body.dataset.state === 'connecting') setState('connected'); // `ready` may not be here yet
   log(`Session ${conn.sessionId.slice(0, 8)} opened; waiting for the tutor…`);
+  clearInterval(statsTimer);
   statsTimer = setInterval(refreshStats, STATS_INTERVAL_MS);
 }
+
+// The session ended without the student asking: its channel closed, it fell silent, or its peer failed.
+function onLost(detail) {
+  if (detail.reason === 'closed' && !reconnectsAfter(detail.code)) {
+    giveUp(eventErrorMessage(detail)); // closed for good on purpose (idle, time limit): the server's reason
+  } else if (!lessonUp) {
+    giveUp(`${lostMessage(detail)} Press Connect to continue.`); // it never worked: nothing to come back to
+  } else {
+    retryLater(lostMessage(detail), detail.retryAfterS);
+  }
+}
+
+// Drop the lost session and schedule the next attempt; the error box says what happened, the status line what
+// happens next (reconnector's `waiting` and `attempt`).
+function retryLater(why, retryAfterS = null) {
+  const conn = connection;
+  dropSession({ cut: true });
+  conn?.close();
+  setState('reconnecting');
+  showError(why);
+  if (!reconnector.schedule(retryAfterS ?? null)) {
+    const attempts = `${reconnector.maxAttempts} attempt${reconnector.maxAttempts === 1 ? '' : 's'}`;
+    giveUp(`Could not reconnect after ${attempts}. ${why} Press Connect to try again.`);
+  }
+}
+
+// No (more) coming back: the idle page, the reason, and the Connect button.
+function giveUp(message) {
+  const conn = connection;
+  teardown();
+  conn?.close();
+  showError(message);
+}
+
+reconnector.addEventListener('waiting', ({ detail: { attempt, maxAttempts, delayMs } }) => {
+  setNow(`Reconnecting in ${Math.ceil(delayMs / 1000)} s… (attempt ${attempt} of ${maxAttempts})`, 'reconnecting');
+});
+reconnector.addEventListener('attempt', ({ detail: { attempt, maxAttempts } }) => {
+  setNow(`Reconnecting… (attempt ${attempt} of ${maxAttempts})`, 'reconnecting');
+  log(`Reconnecting (attempt ${attempt} of ${maxAttempts})…`);
+  openSession();
+});
 
 function onTrack(stream) {
   ui.audio.srcObject = stream; // this is what actually plays (see index.html)
@@ -150,31 +204,45 @@ function onPeerState(conn, state) {
   peerState = state;
   renderState();
   if (state === 'failed') {
-    showError('The audio connection failed. Check your network and press Connect again.');
-    conn.close();
-    teardown();
+    onLost({ reason: 'failed' });
   } else if (state === 'disconnected') {
     log('The connection is unstable; trying to recover…', 'error');
   }
 }
 
 async function disconnect() {
-  const conn = connection;
-  teardown();
+  const conn = connection; // null while waiting to reconnect; an attempt's session while one is under way
+  const reconnecting = reconnector.active;
+  teardown(); // a pending reconnect attempt never comes
   setNow('Disconnected. Press “Connect” to continue the lesson.');
-  log('Disconnected.');
+  log(reconnecting ? 'Disconnected; no more reconnecting.' : 'Disconnected.');
   await conn?.close();
 }
 
-// Back to the idle page: no session, no highlight, no sound.
-function teardown() {
+// No session, no highlight, no sound. `cut`: the session was lost, so what it was still saying will not come
+// (nor is it asked for again): it is marked as not finished.
+function dropSession({ cut = false } = {}) {
   connection = null;
   clearInterval(statsTimer);
   statsTimer = null;
   avatar.detach();
   ui.audio.srcObject = null;
   stopKaraoke();
-  for (const id of utterances.keys()) finish(id);
+  for (const id of utterances.keys()) {
+    const entry = finish(id);
+    if (!cut) continue;
+    entry.button?.classList.add('cut');
+    log(`${id} (“${shorten(entry.text)}”) was cut off by the lost connection: not finished.`, 'error');
+  }
+  forgetRecordings(); // the server's recordings went with the session
+  peerState = 'new';
+}
+
+// Back to the idle page, with no reconnecting pending.
+function teardown() {
+  dropSession();
+  reconnector.reset();
+  lessonUp = false;
   setState('disconnected');
   setNow('Not connected. Press “Connect” to try again.');
 }
@@ -189,6 +257,7 @@ function speak(text, button, { rate = 1, phrase = null } = {}) {
   clearError();
   const id = `u${++counter}`;
   utterances.set(id, { text, button, phrase, rate, spoken: new SpokenUtterance(id, text) });
+  button?.classList.remove('cut');
   button?.classList.add('waiting');
   connection.speak(id, text, { voice: ui.voice.value, interrupt: ui.interrupt.checked, rate });
   log(`Asked to say “${shorten(text)}”${rate === 1 ? '' : ` at ${rate}×`} (${id})`);
@@ -209,6 +278,7 @@ function slower(phrase, button) {
   const { text } = phrase;
   utterances.set(id, { text, button, phrase, rate: SLOW_RATE, repeatOf: phrase.lastId,
                        spoken: new SpokenUtterance(id, text) });
+  button.classList.remove('cut');
   button.classList.add('waiting');
   connection.repeat(phrase.lastId, id, { rate: SLOW_RATE, interrupt: ui.interrupt.checked });
   log(`Asked to repeat “${shorten(text)}” at ${SLOW_RATE}× (${id})`);
@@ -257,9 +327,11 @@ function stopKaraoke() {
 
 // The page's own playout of an utterance, told to the server (a metric) once its end has been heard.
 function reportPlayed(entry, id, capMs) {
+  const conn = connection;
   setTimeout(() => {
+    if (connection !== conn) return; // that session is gone: a new one never heard of `id`
     const playedMs = Math.min(capMs, entry.spoken.playedMs(rtpNow()));
-    if (connection?.played(id, playedMs)) playedReports.push({ id, played_ms: Math.round(playedMs) });
+    if (conn.played(id, playedMs)) playedReports.push({ id, played_ms: Math.round(playedMs) });
   }, PLAYED_REPORT_DELAY_MS);
 }
 
@@ -272,12 +344,18 @@ function finish(id) {
 
 function onMessage(msg) {
   switch (msg.type) {
-    case 'ready':
+    case 'ready': {
+      const again = reconnector.active;
+      reconnector.reset(); // up again: a later loss starts from the first attempt
+      lessonUp = true;
       fillVoices(msg.voices, msg.voice);
       setState('ready');
-      setNow('Your tutor is ready. Pick a phrase to hear it!', 'ready');
-      log(`Tutor ready (voice ${msg.voice}, buffer ${msg.jitter_buffer_ms} ms).`);
+      if (again) clearError();
+      setNow(again ? 'Connected again. Your tutor is ready: pick a phrase to hear it!'
+        : 'Your tutor is ready. Pick a phrase to hear it!', 'ready');
+      log(`${again ? 'Reconnected: tutor' : 'Tutor'} ready (voice ${msg.voice}, buffer ${msg.jitter_buffer_ms} ms).`);
       break;
+    }
     case 'queued':
       if (msg.position > 0) log(`${msg.id} waits behind ${msg.position} other(s).`);
       break;
@@ -390,7 +468,10 @@ ui.stop.addEventListener('click', () => {
   connection?.cancel();
   log('Stop pressed.');
 });
-window.addEventListener('pagehide', () => connection?.close({ keepalive: true }));
+window.addEventListener('pagehide', () => {
+  reconnector.reset();
+  connection?.close({ keepalive: true });
+});
 setState('disconnected');
 loadVoices();
 loadProtocolSchema().then(() => {
@@ -404,6 +485,7 @@ loadProtocolSchema().then(() => {
 window.__avatar = avatar;
 window.__app = {
   get connection() { return connection; },
+  get reconnectAttempt() { return reconnector.attempt; },
   get pc() { return connection?.pc ?? null; },
   get lastStats() { return lastStats; },
   get karaoke() { return current; },

@@ -1,6 +1,7 @@
 // One WebRTC session with the gateway: a non-trickle offer/answer over HTTP, then the `control`
 // data channel for speak/repeat/cancel/played/ping. Emits: `track` {stream}, `message` {msg}, `state` {state},
-// `closed` {reason: 'silent' when the server stopped answering, else none}.
+// `closed` {reason: 'silent' when the server stopped answering, 'closed' when the channel closed; with 'closed', the
+// `code`, `message` and `retryAfterS` of the session-level `error` the server ended it with, if it said why}.
 
 const PING_INTERVAL_MS = 2000; // the gateway treats these pings as a heartbeat
 // Nothing heard on the data channel for this long (three pings unanswered): the server is gone without a word.
@@ -9,6 +10,9 @@ const SERVER_SILENT_MS = 6500;
 const MAX_WIRE_RECORDS = 200;
 const ICE_GATHERING_TIMEOUT_MS = 5000;
 const ICE_SERVERS_TIMEOUT_MS = 5000;
+// An offer the server does not answer in this long has failed (a reconnect attempt must not hang for ever); the
+// server answers after its own ICE gathering, a few seconds at most.
+const OFFER_TIMEOUT_MS = 20000;
 
 // A gateway with auth on needs a token: the lesson backend opens the page as `...?token=<token>`.
 function authHeaders() {
@@ -16,14 +20,24 @@ function authHeaders() {
   return token ? { Authorization: `Bearer ${token}` } : {};
 }
 
-/** An HTTP error answered by the gateway (`{"error": {"code", "message"}}`). */
+/** An HTTP error answered by the gateway (`{"error": {"code", "message"}}`, with `Retry-After` at capacity). */
 export class GatewayError extends Error {
-  constructor(status, code, message) {
+  constructor(status, code, message, retryAfterS = null) {
     super(message);
     this.name = 'GatewayError';
     this.status = status;
     this.code = code;
+    this.retryAfterS = retryAfterS; // seconds before asking again makes sense, when the server said
   }
+}
+
+// Retry-After is seconds or an HTTP date (RFC 9110): the gateway sends seconds, a proxy in front may send a date.
+function retryAfterSeconds(header) {
+  if (header == null || header.trim() === '') return null;
+  const seconds = Number(header);
+  if (Number.isFinite(seconds)) return Math.max(0, seconds);
+  const date = Date.parse(header);
+  return Number.isNaN(date) ? null : Math.max(0, (date - Date.now()) / 1000);
 }
 
 // STUN/TURN servers from the gateway, TURN credentials minted for this page (the TURN secret stays on the
@@ -80,6 +94,7 @@ export class TutorConnection extends EventTarget {
     this._pingTimer = null;
     this._lastHeard = 0; // performance.now() of the last message from the server
     this._closed = false;
+    this._endedWith = null; // the session-level `error` (no utterance id) last heard: why the server ends it
   }
 
   _emit(type, detail = {}) {
@@ -114,11 +129,13 @@ export class TutorConnection extends EventTarget {
       method: 'POST',
       headers: { 'Content-Type': 'application/json', ...authHeaders() },
       body: JSON.stringify(body),
+      signal: AbortSignal.timeout?.(OFFER_TIMEOUT_MS),
     });
     const answer = await response.json().catch(() => null);
     if (!response.ok) {
       const error = answer?.error ?? {};
-      throw new GatewayError(response.status, error.code ?? 'http_error', error.message ?? response.statusText);
+      throw new GatewayError(response.status, error.code ?? 'http_error', error.message ?? response.statusText,
+                             retryAfterSeconds(response.headers.get('Retry-After')));
     }
     this.sessionId = answer.session_id;
     if (this._closed) {
@@ -210,12 +227,16 @@ export class TutorConnection extends EventTarget {
     }
     this._record('received', msg);
     if (msg.type === 'pong' && typeof msg.t === 'number') msg.rtt_ms = performance.now() - msg.t;
+    if (msg.type === 'error' && !msg.id) this._endedWith = msg; // the server says why before it closes a session
     this._emit('message', { msg });
   }
 
   _onChannelClosed() {
     this._stopPing();
-    if (!this._closed) this._emit('closed'); // the server (or the network) ended the session
+    if (this._closed) return; // closed here: nobody needs telling
+    const ended = this._endedWith;
+    this._emit('closed', { reason: 'closed', code: ended?.code ?? null, message: ended?.message ?? null,
+                           retryAfterS: ended?.retry_after_s ?? null });
   }
 
   /** End the session: tell the server (best effort), then close the peer. */

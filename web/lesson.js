@@ -15,6 +15,12 @@ const LANGUAGE_NAMES = { pt: 'Português', en: 'English' };
 
 export const SLOW_RATE = 0.7;
 
+/** The page remembers each phrase's last recording on the server (`lastId`, for "Slower"); those recordings go
+ *  with the session, so after it "Slower" says the phrase anew instead of asking for one the server lost. */
+export function forgetRecordings() {
+  for (const phrase of PHRASES) phrase.lastId = null;
+}
+
 /** Fill `list` with one button per phrase; `onPick(phrase, button)` / `onSlower(phrase, button)` on click. */
 export function renderPhrases(list, onPick, onSlower) {
   list.replaceChildren(...PHRASES.map((phrase, index) => {

@@ -19,7 +19,18 @@ export function connectErrorMessage(error) {
     return `Could not connect (${status}): ${message}`;
   }
   if (error instanceof TypeError) return 'Could not reach the server. Check your internet connection and try again.';
+  if (error?.name === 'TimeoutError') return 'The server did not answer in time. Please try again in a moment.';
   return `Could not connect: ${error?.message ?? error}`;
+}
+
+/** Why a session that was up got lost (`reason`: 'silent' or 'closed' from TutorConnection, or 'failed' for the
+ *  peer; `code`: the `error` the server ended it with, if any). The page adds what happens next. */
+export function lostMessage({ reason, code }) {
+  if (reason === 'silent') return 'The tutor stopped answering (the server may have restarted).';
+  if (reason === 'failed') return 'The audio connection failed (check your network).';
+  if (code === 'shutting_down') return 'The tutor is restarting for maintenance.';
+  if (code === 'heartbeat_timeout') return 'The connection to the tutor was lost.';
+  return 'The lesson connection was closed by the server.';
 }
 
 /** An `error` event from the data channel. */
