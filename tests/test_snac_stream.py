@@ -255,6 +255,35 @@ def test_graph_buckets_emulated(snac_model: torch.nn.Module, utterances: dict[in
     assert snac.stats.padded_rows > 0 and snac.stats.launches > 12  # padded buckets; 4 rows split as 3 + 1
 
 
+def test_bridge_graphs_emulated(snac_model: torch.nn.Module, decoder: StreamingSnac,
+                                utterances: dict[int, Utterance]) -> None:
+    """The bridge's graphs (host logic on CPU, as above): its common lengths replay a graph for batches up to the
+    largest bucket, padded; other lengths and larger batches run eagerly; the audio is the eager decoder's."""
+    snac = StreamingSnac(snac_model, "cpu", "float32", max_streams=8)
+    snac.capture_graphs(max_batch=2, buckets=(1,), emulate=True)
+    assert sorted(snac._bridge_graphs) == [(f, b) for f in (1, 2, 3) for b in (1, 2)]
+    chosen = [utterances[n] for n in (17, 25, 40)]
+    outputs = []
+    for snac_, group in ((snac, chosen), (decoder, chosen)):
+        handles = [snac_.open_stream(u.seed) for u in group]
+        pieces: list[np.ndarray] = []
+        for h, u in zip(handles, group, strict=True):
+            snac_.push(h, u.frames[:2])
+        pieces += snac_.bridge(handles[:2], as_float=True)  # 2 frames, batch 2: graph
+        pieces += snac_.bridge(handles[2:], lookahead=1, as_float=True)  # 2 frames, batch 1: graph
+        for h, u in zip(handles, group, strict=True):
+            snac_.push(h, u.frames[2:3])
+        pieces += snac_.bridge(handles, as_float=True)  # 3 frames, batch 3: eager
+        for h, u in zip(handles, group, strict=True):
+            snac_.push(h, u.frames[3:6])
+        pieces += snac_.bridge(handles, as_float=True)  # 5 frames: eager
+        for h in handles:
+            snac_.close(h)
+        outputs.append(np.concatenate(pieces))
+    assert snac.stats.bridge_launches == 4 and snac.stats.bridge_graphed == 2
+    assert np.abs(outputs[0] - outputs[1]).max() < EXACT
+
+
 def test_chunks_of_two_frames(snac_model: torch.nn.Module, utterances: dict[int, Utterance]) -> None:
     snac = StreamingSnac(snac_model, "cpu", "float32", max_streams=2, chunk_frames=2)
     for n in (1, 5):

@@ -15,7 +15,8 @@ decoder also runs ceil(4757 / 2048) = 3 flush steps per utterance: `amortized_gp
 (and the masked steps) for utterances of `--utterance-frames` frames; `win/str` is the windows' cost over the
 stream's, both amortized. Before timing, `check` compares the graphed streaming decode of a few utterances
 (lengths 1, 7, 23, in one padded batch) with `snac.SNAC.decode` of the same codes and noise (TF32 off for
-that comparison only) and the bfloat16 stream with the float32 one.
+that comparison only) and the bfloat16 stream with the float32 one. `bridge` times the fast start's bridge
+decode (3 frames, B = 1..64) replayed from its graph against eager, as whole host calls.
 
 Weights: a random-weight SNAC with the real 24 kHz config (`build_test_snac`); the cost does not depend on the
 weights. GPU: `python bench/device/snac_stream_bench.py --out OUT.json`. CPU smoke check (eager, wall-clock
@@ -163,6 +164,30 @@ def bench_stream(snac_dir: str, device: torch.device, dtype: str, batches: list[
     return rows
 
 
+def bench_bridge(snac_dir: str, device: torch.device, dtype: str, repeats: int, warmup: int,
+                 batches: tuple[int, ...] = (1, 8, 32, 64)) -> list[dict[str, Any]]:
+    """The bridge's continuing decode (3 frames: context, new frame, lookahead) of B streams, as the whole host
+    call: graph replay against the eager decode (wall ms; on a GPU the eager one is bound by its ~175 kernel
+    launches), and the largest difference between their outputs."""
+    snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=max(batches), max_batch=max(batches))
+    rng = np.random.default_rng(3)
+    graphs = dict(snac._bridge_graphs)
+    rows = []
+    for batch in batches:
+        codes = [[tuple(int(c) for c in rng.integers(0, 4096, 7)) for _ in range(3)] for _ in range(batch)]
+        args = (codes, [2] * batch, list(range(batch)))
+        snac._bridge_graphs = graphs
+        _, graphed_ms = timed(lambda a=args: snac._bridge_decode(*a), device, repeats, warmup)
+        graphed = snac._bridge_decode(*args)
+        snac._bridge_graphs = {}
+        _, eager_ms = timed(lambda a=args: snac._bridge_decode(*a), device, repeats, warmup)
+        eager = snac._bridge_decode(*args)
+        rows.append({"method": "bridge", "dtype": dtype, "batch": batch, "frames": 3, "graphed": bool(graphs),
+                     "graphed_call_ms": round(graphed_ms, 3), "eager_call_ms": round(eager_ms, 3),
+                     "max_abs_diff": float(np.abs(graphed - eager).max())})
+    return rows
+
+
 def check(snac_dir: str, device: torch.device, with_bf16: bool) -> dict[str, Any]:
     """Graphed streaming decode of lengths 1, 7, 23 (one padded batch, streams at different positions) vs the
     full `SNAC.decode` with the same noise; and bfloat16 vs float32 streaming (SNR)."""
@@ -244,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             report["results"] += bench_stream(snac_dir, device, dtype, batches, repeats, warmup,
                                               args.utterance_frames)
+            report.setdefault("bridge", []).extend(bench_bridge(snac_dir, device, dtype, repeats, warmup))
+            print("bridge:", json.dumps(report["bridge"][-4:]), flush=True)
             if cuda:
                 report.setdefault("max_memory_gib", {})[dtype] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 torch.cuda.reset_peak_memory_stats()

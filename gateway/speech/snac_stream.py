@@ -57,7 +57,7 @@ that goes on to 5 frames (crossfade 512) 37.1 dB after a 1-frame start; after th
 rounding (6e-7), and no seam shows a step larger than the signal's own. The cost of taking over: audio after the
 bridge's last piece comes only once the exact stream passes it, two frames later, so the stream's lead must hold
 4757 samples then (`StreamDecoder` bridges until it does); from then on every sample comes 1.32 frame times
-later than with sliding windows. Bridge decodes run eagerly: 3 frames decoded per bridged frame.
+later than with sliding windows. A bridge decodes 3 frames per bridged frame; its common lengths replay graphs.
 
 Precision: float32, bfloat16 and float16 (weights, activations and states in that dtype; noise made in float32).
 """
@@ -83,6 +83,11 @@ INT16_MAX = 32767
 # Batch sizes with a captured graph: a batch runs in the smallest bucket that holds it (padded rows are wasted
 # work, so above 64 the buckets grow by 64, not by doubling).
 GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+# Bridge decodes with a captured graph: their common lengths (a first piece of 1 or 2 frames, a continuing piece of
+# one new frame with its context and lookahead: 3) and batch sizes (the streams starting or bridging in one tick).
+# Other lengths run eagerly: ~175 kernel launches each, about a millisecond of host time on a GPU.
+BRIDGE_GRAPH_FRAMES = (1, 2, 3)
+BRIDGE_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 OPEN_END = 1 << 40  # "end" (in frames) of a stream that has not finished
 MAX_HEAD_FRAMES = 8  # frames of a stream's start kept for `bridge`: it covers at most the first 8 (0.68 s)
 # Frames of left context of a bridge decode (before the first sample it hands out). Its error comes from the one
@@ -505,6 +510,8 @@ class StreamStats:
     pushed_frames: int = 0
     stepped_frames: int = 0  # frames run through the exact decoder, flush steps included
     approx_frames: int = 0  # frames run through `bridge` decodes
+    bridge_launches: int = 0  # bridge decodes (one per decode length per call)
+    bridge_graphed: int = 0  # of them, graph replays
 
     @property
     def decoded_per_new_frame(self) -> float:
@@ -584,6 +591,7 @@ class StreamingSnac:
         self._codes_width = chunk_frames * SLOTS_PER_FRAME
         self._width = self._codes_width + 4  # codes, slot, first frame, end (frames), seed
         self._graphs: dict[tuple[bool, int], _StepGraph] = {}  # (masked, batch) -> graph
+        self._bridge_graphs: dict[tuple[int, int], _StepGraph] = {}  # (frames, batch) -> graph
         self._staging: torch.Tensor | None = None
         self.stats = StreamStats()
 
@@ -618,10 +626,36 @@ class StreamingSnac:
         audio = audio.float()
         return audio, (audio.clamp(-1.0, 1.0) * INT16_MAX).to(torch.int16)
 
+    def _run_bridge(self, packed: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A bridge decode on packed rows [B, 7 frames + 2] (codes, first frame, seed): float32 audio
+        [B, 2048 frames] (twice: a graph's outputs are a pair)."""
+        w = frames * SLOTS_PER_FRAME
+        codes = packed[:, :w].reshape(-1, frames, SLOTS_PER_FRAME)
+        audio = self.decoder.full(codes, packed[:, w], packed[:, w + 1]).float()
+        return audio, audio
+
+    def _bridge_decode(self, codes: list[list[Frame]], offsets: list[int], seeds: list[int]) -> np.ndarray:
+        """Float32 audio [n, 2048 frames] of n equal-length bridge windows: a captured graph where one holds the
+        batch, else eagerly. One host sync."""
+        frames = len(codes[0])
+        rows = np.array([[*itertools.chain.from_iterable(c), o, s] for c, o, s in zip(codes, offsets, seeds,
+                                                                                    strict=True)], dtype=np.int64)
+        with torch.inference_mode():
+            packed = torch.from_numpy(rows).to(self.device)
+            bucket = next((b for f, b in sorted(self._bridge_graphs) if f == frames and b >= len(rows)), None)
+            self.stats.bridge_launches += 1
+            if bucket is None:
+                audio, _ = self._run_bridge(packed, frames)
+            else:
+                self.stats.bridge_graphed += 1
+                audio, _ = self._bridge_graphs[frames, bucket](packed)
+            return audio.cpu().numpy()
+
     def capture_graphs(self, max_batch: int | None = None, buckets: Sequence[int] = GRAPH_BATCH_BUCKETS, *,
                        emulate: bool = False) -> None:
         """CUDA-graph the step, masked and unmasked, for the batch `buckets` up to `max_batch` (default:
-        min(max_streams, 512)); GPU only (no-op elsewhere). All graphs share one memory pool (captured largest
+        min(max_streams, 512)), and the bridge's common decodes (`BRIDGE_GRAPH_FRAMES` x `BRIDGE_GRAPH_BUCKETS`);
+        GPU only (no-op elsewhere). All graphs share one memory pool (captured largest
         first): their outputs are valid until the next launch. `emulate` (tests, any device) sets up the same
         buckets, static inputs and padded rows but runs them eagerly instead of capturing."""
         cuda = self.device.type == "cuda"
@@ -636,6 +670,12 @@ class StreamingSnac:
                     run = functools.partial(self._run_packed, masked=masked)
                     padding = self._padding_rows(size)
                     self._graphs[masked, size] = _StepGraph(run, padding, pool, capture=pool is not None)
+            for frames in BRIDGE_GRAPH_FRAMES:
+                for size in reversed([b for b in BRIDGE_GRAPH_BUCKETS if b <= top]):
+                    run = functools.partial(self._run_bridge, frames=frames)
+                    padding = torch.zeros((size, frames * SLOTS_PER_FRAME + 2), dtype=torch.int64,
+                                          device=self.device)
+                    self._bridge_graphs[frames, size] = _StepGraph(run, padding, pool, capture=pool is not None)
         if cuda:
             self._staging = torch.zeros((sizes[-1], self._width), dtype=torch.int64).pin_memory()
 
@@ -845,8 +885,9 @@ class StreamingSnac:
         nothing before then, and from the end of that crossfade on the audio is exact. Where the decode reaches
         the end of a finished utterance, it decodes from frame 0 and all of it is exact (the stream is done).
 
-        Handles with nothing to add get empty audio. Runs eagerly (a few times per utterance at most), batched
-        per decode length. `lookahead` 0 hands out a frame as soon as it is in (the fastest first audio)."""
+        Handles with nothing to add get empty audio. Batched per decode length; the common lengths replay a
+        captured graph (`capture_graphs`), the others run eagerly. `lookahead` 0 hands out a frame as soon as it
+        is in (the fastest first audio)."""
         self.check_bridge(lookahead, crossfade)
         out = [np.zeros(0, dtype=np.float32 if as_float else np.int16) for _ in handles]
         groups: dict[int, list[tuple[int, StreamHandle, int, int, bool]]] = {}
@@ -856,12 +897,8 @@ class StreamingSnac:
                 first, frames, reach, whole = plan
                 groups.setdefault(frames, []).append((i, h, first, reach, whole))
         for frames, group in sorted(groups.items()):
-            codes = torch.tensor([h._head[first:first + frames] for _, h, first, _, _ in group], dtype=torch.int64,
-                                 device=self.device)
-            offsets = torch.tensor([first for _, _, first, _, _ in group], dtype=torch.int64, device=self.device)
-            seeds = torch.tensor([h.seed for _, h, _, _, _ in group], dtype=torch.int64, device=self.device)
-            with torch.inference_mode():
-                audio = self.decoder.full(codes, offsets, seeds).float().cpu().numpy()
+            audio = self._bridge_decode([h._head[first:first + frames] for _, h, first, _, _ in group],
+                                        [first for _, _, first, _, _ in group], [h.seed for _, h, _, _, _ in group])
             self.stats.approx_frames += frames * len(group)
             for row, (i, h, first, reach, whole) in enumerate(group):
                 base = first * SAMPLES_PER_FRAME
