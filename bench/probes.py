@@ -1,9 +1,10 @@
 """Where the time goes during a measurement point: engine process, SNAC worker, event loop.
 
 CPU time is read per thread of this process (the event loop thread runs asyncio, aiortc and vLLM's output
-handling; the `snac-decoder` thread runs SNAC; the rest are torch/OpenMP and library threads) and per child
-process (vLLM's engine core). An event-loop lag monitor shows how late the loop wakes up, which is what
-delays every stream's chunks at once.
+handling; the `snac-decoder` thread runs SNAC; the rest are torch/OpenMP and library threads), per child
+process (vLLM's engine core, the bench's client processes), and for the whole machine (busy cores: with a gateway
+running elsewhere on the same host, everything the point cost). An event-loop lag monitor shows how late the loop
+wakes up, which is what delays every stream's chunks at once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class CpuSnapshot:
     snac_frames: int  # new audio frames
     snac_window_frames: int  # frames run through SNAC (context and lookahead included)
     snac_busy_s: float
+    host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
 def _thread_ids() -> tuple[int | None, int | None]:
@@ -61,8 +63,10 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = ()) -> CpuSnapshot
             times = child.cpu_times()
             (clients if child.pid in client_pids else children)[child.pid] = times.user + times.system
     stats = decoder.stats if decoder is not None else DecodeStats()  # None: the gateway runs elsewhere
+    host = psutil.cpu_times()
     return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
-                       stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s)
+                       stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s,
+                       host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
 
 
 def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
@@ -83,6 +87,14 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "snac_thread": round(after.snac_thread_s - before.snac_thread_s, 3),
             "other_threads": round(after.other_threads_s - before.other_threads_s, 3),
             "client_processes": round(clients, 3),
+        },
+        # Cores busy on the whole machine: a WebRTC run with its clients and `serve --workers` on one host shares
+        # them, and a host near its core count slows every process (the 2026-12-03 H200 runs: the 8 client
+        # processes alone took 6.5-7.1 of 16 cores at 256-320 peers).
+        "host": {
+            "cores": psutil.cpu_count(),
+            "busy_cores": round((after.host_busy_s - before.host_busy_s) / wall, 2) if wall > 0 else None,
+            "client_cores": round(clients / wall, 2) if wall > 0 else None,
         },
         "snac": {
             "batches": batches,

@@ -118,6 +118,7 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("SNAC thread CPU s", _fixed(1, "pipeline", "cpu_s", "snac_thread")),
         ("other threads CPU s", _fixed(1, "pipeline", "cpu_s", "other_threads")),
         ("client procs CPU s", _fixed(1, "pipeline", "cpu_s", "client_processes")),
+        ("host busy cores", _fixed(1, "pipeline", "host", "busy_cores")),
         ("SNAC busy", _percent("pipeline", "snac", "busy_share")),
         ("SNAC batches", _fixed(0, "pipeline", "snac", "batches")),
         ("mean batch", _fixed(1, "pipeline", "snac", "mean_batch")),

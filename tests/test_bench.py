@@ -127,6 +127,8 @@ async def test_webrtc_level_with_client_processes(synthesizer: Synthesizer, test
     assert sorted(r["user"] for r in point["requests"]) == [0, 1, 2]
     _check_point(point, "webrtc", users=3)
     assert point["pipeline"]["cpu_s"]["client_processes"] > 0
+    host = point["pipeline"]["host"]  # the machine's busy cores include the clients' own
+    assert host["cores"] >= 1 and host["busy_cores"] >= host["client_cores"] > 0
 
 
 def test_opus_cpu_bench_writes_both_paths(tmp_path: Path) -> None:
