@@ -20,7 +20,7 @@ from typing import Any
 
 ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
-SNAC_DTYPES = ("float32", "bfloat16", "float16")
+SNAC_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SNAC_PLACEMENTS = ("process", "shared")
 SNAC_DECODERS = ("stream", "windows")
 JITTER_BUFFER_MAX_MS = 5000  # the one bound of a session's jitter buffer (flag, offer, WHEP query, page)
@@ -93,8 +93,9 @@ class GatewayConfig:
     repetition_penalty: float = _opt(1.1, "Repetition penalty (>= 1.1 keeps Orpheus from looping).")
     # --- codec ------------------------------------------------------------------------------------
     snac_device: str = _opt("auto", "Device for SNAC decoding: auto (cuda if present), cpu, cuda, cuda:N.")
-    snac_dtype: str = _opt("float32", "SNAC decoder precision: float32, bfloat16 (about half the GPU time; "
-                           "bench/device/snac_check.py measures the difference) or float16.")
+    snac_dtype: str = _opt("auto", "SNAC decoder precision: auto (bfloat16 on a GPU, float32 on CPU), float32, "
+                           "bfloat16 (on an H200 the exact decoder kept 180 of 256 streams real time at 0 ms "
+                           "against float32's 74; 39 dB SNR against float32) or float16.")
     snac_decoder: str = _opt("stream", "How SNAC decodes. stream: the exact incremental decoder (each frame decoded "
                              "once, output equal to a full decode; gateway/speech/snac_stream.py). windows: "
                              "sliding windows (decode_* settings below; ~2.9 frames decoded per new frame, "

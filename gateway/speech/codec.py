@@ -204,6 +204,27 @@ class _GraphedDecoder:
         return static_pcm[:batch].cpu().numpy()  # copies out before the buffer is replayed into again
 
 
+# SNAC's precision where `--snac-dtype auto` runs it on a GPU. Measured on one H200 in one lease
+# (docs/benchmarks.md, 2026-12-04): the exact streaming decoder in bfloat16 kept 180 of 256 streams real time at
+# 0 ms (float32: 74) and 110 of 384 at 500 ms (73), at 0.67 GPU ms per audio second at B=256 (0.80); 39 dB SNR
+# against float32 (tests/test_snac_stream.py holds it above 33 dB). float16 is as fast and closer (56 dB), but
+# not its range: snake's 1 / (alpha + 1e-9) overflows float16 for a trained alpha near 0, which random weights
+# cannot show.
+GPU_SNAC_DTYPE = "bfloat16"
+
+
+def snac_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """The one reading of `--snac-device auto` (CUDA when there is one) and `--snac-dtype auto` (GPU_SNAC_DTYPE on
+    CUDA; float32 elsewhere: CPUs without bfloat16 units run it slower, and CPU tests compare against float32)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = GPU_SNAC_DTYPE if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
 class SnacModel:
     """The SNAC decoder on one device; turns batches of equal-length windows into int16 PCM."""
 
@@ -213,14 +234,13 @@ class SnacModel:
         self._graphed: list[_GraphedDecoder] = []
 
     @classmethod
-    def load(cls, name_or_path: str, device: str = "auto", dtype: str = "float32") -> SnacModel:
+    def load(cls, name_or_path: str, device: str = "auto", dtype: str = "auto") -> SnacModel:
         """`dtype`: the decoder's weights and activations (bfloat16 halves its GPU time; the PCM is the
         float32 result within a tolerance bench/device/snac_check.py measures)."""
         import torch
         from snac import SNAC
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device, dtype = snac_device_and_dtype(device, dtype)
         model = SNAC.from_pretrained(name_or_path).eval().to(device=device, dtype=getattr(torch, dtype))
         # Only the decoder is used; dropping the encoder saves memory on every worker.
         model.encoder = None

@@ -96,7 +96,7 @@ class CodecServerSettings:
     socket: str
     snac_model: str
     device: str = "auto"
-    snac_dtype: str = "float32"
+    snac_dtype: str = "auto"
     cuda_graphs: bool = True
     window_lengths: tuple[int, ...] = (2, 3, 4, 5, 6)  # windows only
     max_batch: int = 256

@@ -78,6 +78,7 @@ from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d, snake
 from torch.nn import functional as nnf
 
 from gateway.orpheus import CODEBOOK_SIZE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME, Frame, frames_to_layers
+from gateway.speech.codec import snac_device_and_dtype
 
 INT16_MAX = 32767
 # Batch sizes with a captured graph: a batch runs in the smallest bucket that holds it (padded rows are wasted
@@ -596,15 +597,14 @@ class StreamingSnac:
         self.stats = StreamStats()
 
     @classmethod
-    def load(cls, name_or_path: str, device: str = "auto", dtype: str = "float32", max_streams: int = 64,
+    def load(cls, name_or_path: str, device: str = "auto", dtype: str = "auto", max_streams: int = 64,
              chunk_frames: int = 1, capture_graphs: bool = True, max_batch: int | None = None) -> StreamingSnac:
-        """Load a SNAC checkpoint (hub name or folder) and build the streaming decoder on `device` ("auto":
-        CUDA when available). On CUDA with `capture_graphs`, graphs for batch buckets up to `max_batch`
-        (default: min(max_streams, 512)) are captured at once."""
+        """Load a SNAC checkpoint (hub name or folder) and build the streaming decoder on `device` in `dtype`
+        ("auto": `codec.snac_device_and_dtype`). On CUDA with `capture_graphs`, graphs for batch buckets up to
+        `max_batch` (default: min(max_streams, 512)) are captured at once."""
         from snac import SNAC
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device, dtype = snac_device_and_dtype(device, dtype)
         model = SNAC.from_pretrained(name_or_path).eval()
         snac = cls(model, device, dtype, max_streams, chunk_frames)
         if capture_graphs:
