@@ -593,7 +593,7 @@ class StreamingSnac:
         self._width = self._codes_width + 4  # codes, slot, first frame, end (frames), seed
         self._graphs: dict[tuple[bool, int], _StepGraph] = {}  # (masked, batch) -> graph
         self._bridge_graphs: dict[tuple[int, int], _StepGraph] = {}  # (frames, batch) -> graph
-        self._staging: torch.Tensor | None = None
+        self._host_buffers: dict[tuple[str, int], torch.Tensor] = {}  # pinned, per launch of a tick (CUDA)
         self.stats = StreamStats()
 
     @classmethod
@@ -676,8 +676,6 @@ class StreamingSnac:
                     padding = torch.zeros((size, frames * SLOTS_PER_FRAME + 2), dtype=torch.int64,
                                           device=self.device)
                     self._bridge_graphs[frames, size] = _StepGraph(run, padding, pool, capture=pool is not None)
-        if cuda:
-            self._staging = torch.zeros((sizes[-1], self._width), dtype=torch.int64).pin_memory()
 
     def _padding_rows(self, rows: int) -> torch.Tensor:
         padding = torch.zeros((rows, self._width), dtype=torch.int64, device=self.device)
@@ -772,7 +770,7 @@ class StreamingSnac:
         launch, the others in one unmasked launch (more if a kind exceeds the largest graph bucket). Returns each
         handle's new audio: int16 PCM (float32 in [-1, 1] with `as_float`), empty
         for handles that were not ready or whose new samples all lie before the start (the first two steps)
-        or before the audio `bridge` handed out. One host sync per launch, none per stream."""
+        or before the audio `bridge` handed out. One host sync per tick, none per launch or stream."""
         out = [np.zeros(0, dtype=np.float32 if as_float else np.int16) for _ in handles]
         active = [(i, h) for i, h in enumerate(handles) if self.ready(h)]
         if len({h.slot for _, h in active}) != len(active):
@@ -783,13 +781,18 @@ class StreamingSnac:
         steady = [(i, h) for i, h in active if not self.needs_mask(h)]
         launches = [(True, edge[at:at + top]) for at in range(0, len(edge), top)]
         launches += [(False, steady[at:at + top]) for at in range(0, len(steady), top)]
-        for masked, group in launches:
-            k = self.chunk_frames
-            silence = [(0,) * SLOTS_PER_FRAME] * k  # past the end: any codes (masked)
+        k = self.chunk_frames
+        silence = [(0,) * SLOTS_PER_FRAME] * k  # past the end: any codes (masked)
+        results: list[tuple[list[tuple[int, StreamHandle]], np.ndarray]] = []
+        for part, (masked, group) in enumerate(launches):
             rows = np.array([[*itertools.chain.from_iterable((h._pending[:k] + silence)[:k]), h.slot, h.stepped,
                               h.received if h.finished else OPEN_END, h.seed] for _, h in group], dtype=np.int64)
-            audio, pcm = self._launch(self._to_device(rows), masked)
-            data = (audio if as_float else pcm).cpu().numpy()
+            audio, pcm = self._launch(self._to_device(rows, part), masked)
+            # Copied out in stream order, before the next launch may reuse the graphs' shared output memory.
+            results.append((group, self._to_host(audio if as_float else pcm, part)))
+        if self.device.type == "cuda" and launches:
+            torch.cuda.current_stream(self.device).synchronize()  # one host sync for all of the tick's launches
+        for group, data in results:
             for r, (i, h) in enumerate(group):
                 out[i] = self._emit(h, data[r], as_float)
                 del h._pending[:k]
@@ -798,12 +801,29 @@ class StreamingSnac:
             self.stats.stepped_frames += len(group) * k
         return out
 
-    def _to_device(self, rows: np.ndarray) -> torch.Tensor:
-        if self._staging is None:
+    def _to_device(self, rows: np.ndarray, part: int) -> torch.Tensor:
+        """The tick's `part`-th launch's packed rows on the device: through its own pinned staging buffer, whose
+        previous copy ended with the last tick's sync."""
+        if self.device.type != "cuda":
             return torch.from_numpy(rows).to(self.device)
-        staging = self._staging[:rows.shape[0]]
-        staging.numpy()[:] = rows  # the previous launch's copy from here is done: it ended with a sync
+        staging = self._pinned(("in", part), (self._max_rows(), self._width), torch.int64)[:rows.shape[0]]
+        staging.numpy()[:] = rows
         return staging.to(self.device, non_blocking=True)
+
+    def _to_host(self, result: torch.Tensor, part: int) -> np.ndarray:
+        """The launch's output on the host: on CUDA an asynchronous copy into a pinned buffer of its own, valid
+        after the tick's sync."""
+        if self.device.type != "cuda":
+            return result.numpy()
+        host = self._pinned(("out", part), (self._max_rows(), result.shape[1]), result.dtype)[:result.shape[0]]
+        host.copy_(result, non_blocking=True)
+        return host.numpy()
+
+    def _pinned(self, key: tuple[str, int], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._host_buffers.get(key)
+        if buffer is None or buffer.dtype != dtype or buffer.shape[0] < shape[0] or buffer.shape[1] != shape[1]:
+            buffer = self._host_buffers[key] = torch.empty(shape, dtype=dtype).pin_memory()
+        return buffer
 
     def _emit(self, handle: StreamHandle, chunk: np.ndarray, as_float: bool) -> np.ndarray:
         """The part of a step's output that is new audio, crossfaded with the first chunk where it overlaps."""
