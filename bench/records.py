@@ -142,7 +142,21 @@ def _server_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "underruns": sum(s.get("underruns", 0) for s in servers),
         "underrun_ms": sum(s.get("underrun_ms", 0) for s in servers),
         "streams_with_underruns": sum(1 for s in servers if s.get("underruns", 0) > 0),
+        "underruns_where": underruns_where(servers),
     }
+
+
+def underruns_where(servers: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Where the server's underruns began in their utterances (`done.underrun_at_ms`): in the first second (the
+    fast start's hand-over), in the last 100 ms (waiting for the end: its last frames or the end itself), or
+    between (a sentence join, or synthesis slower than real time)."""
+    where = {"first_second": 0, "middle": 0, "last_100_ms": 0}
+    for s in servers:
+        audio_ms = s.get("audio_ms") or 0
+        for at in s.get("underrun_at_ms") or ():
+            key = "last_100_ms" if at >= audio_ms - 100 else "first_second" if at < 1000 else "middle"
+            where[key] += 1
+    return where
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:

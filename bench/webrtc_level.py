@@ -197,5 +197,5 @@ def _server_figures(peer: HeadlessPeer, uid: str) -> dict[str, Any]:
                                for key in ("ttft_ms", "ttfw_ms", "ttfa_ms")}
     if done:
         message = done[0].message
-        figures.update({key: message.get(key) for key in ("audio_ms", "underruns", "underrun_ms")})
+        figures.update({key: message.get(key) for key in ("audio_ms", "underruns", "underrun_ms", "underrun_at_ms")})
     return figures

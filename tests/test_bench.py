@@ -152,3 +152,11 @@ def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_pat
     assert runs["first-only"]["handover_ms"] == pytest.approx(85.3, abs=0.1)
     assert runs["bridge-la1"]["handover_ms"] > runs["first-only"]["handover_ms"]
     assert all(run["frames_at_first_audio"] >= 2 and run["exact_frames_per_frame"] > 1 for run in runs.values())
+
+
+def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:
+    from bench.records import underruns_where
+
+    servers = [{"audio_ms": 5000, "underrun_at_ms": [80, 2400, 4960]}, {"audio_ms": 900, "underrun_at_ms": [200]},
+               {"audio_ms": 3000}]
+    assert underruns_where(servers) == {"first_second": 2, "middle": 1, "last_100_ms": 1}

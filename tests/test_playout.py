@@ -313,6 +313,7 @@ async def test_underrun_counted_only_mid_utterance() -> None:
     assert finished.kind is PlayoutEventKind.FINISHED
     assert (finished.underruns, finished.underrun_ms) == (1, 3 * FRAME_MS)
     assert finished.audio_ms == 200
+    assert finished.underrun_at_ms == (4 * FRAME_MS,)  # it ran dry after its first 4 frames
 
     for _ in range(3):  # after the end: not an underrun either
         await track.recv()

@@ -84,6 +84,7 @@ REANCHOR_LATENESS_S = 10 * FRAME_SECONDS
 # Log the first few internal errors with a traceback; after that only count
 # them, so a persistent bug cannot flood the log at 50 lines/s per track.
 MAX_LOGGED_ERRORS = 5
+MAX_UNDERRUNS_LISTED = 16  # underrun positions a finished utterance reports (its count has them all)
 
 # Built once: every silence frame copies from this.
 _SILENCE = bytes(FRAME_BYTES)
@@ -108,7 +109,7 @@ class PlayoutEvent:
     recv that returned the frame; ``pts`` is that frame's pts (48 kHz samples
     since the track's first frame: where the event sits in the RTP stream).
     ``label``/``data`` are set for markers; ``audio_ms``/``underruns``/
-    ``underrun_ms`` for ``finished``.
+    ``underrun_ms``/``underrun_at_ms`` for ``finished``.
     """
 
     kind: PlayoutEventKind
@@ -119,6 +120,7 @@ class PlayoutEvent:
     audio_ms: int = 0
     underruns: int = 0
     underrun_ms: int = 0
+    underrun_at_ms: tuple[int, ...] = ()
     pts: int = 0
 
 
@@ -153,6 +155,9 @@ class _Utterance:
     in_underrun: bool = False
     underruns: int = 0
     underrun_frames: int = 0
+    # Audio played (frames) when each underrun began, the first MAX_UNDERRUNS_LISTED: whether a stream runs dry at
+    # its start, between sentences or waiting for its end tells which part of synthesis was late.
+    underrun_at: list[int] = field(default_factory=list)
 
 
 class PlayoutTrack(MediaStreamTrack):
@@ -454,6 +459,8 @@ class PlayoutTrack(MediaStreamTrack):
                 utt.in_underrun = True
                 utt.underruns += 1
                 self._underruns += 1
+                if len(utt.underrun_at) < MAX_UNDERRUNS_LISTED:
+                    utt.underrun_at.append(utt.frames_played)
             utt.underrun_frames += 1
             self._underrun_frames += 1
             return _SILENCE
@@ -472,6 +479,7 @@ class PlayoutTrack(MediaStreamTrack):
                 audio_ms=utt.frames_played * FRAME_MS,
                 underruns=utt.underruns,
                 underrun_ms=utt.underrun_frames * FRAME_MS,
+                underrun_at_ms=tuple(frames * FRAME_MS for frames in utt.underrun_at),
                 pts=self._frames_sent * FRAME_SAMPLES,
             )
         )

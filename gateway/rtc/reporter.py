@@ -40,7 +40,8 @@ class PlayoutReporter:
             self.metrics.underrun_seconds_total.inc(event.underrun_ms / 1000)
             heard = self.lesson.finished(event.utterance_id, event.audio_ms)  # sends the timings still due first
             self.send(protocol.Done(id=event.utterance_id, audio_ms=event.audio_ms, underruns=event.underruns,
-                                    underrun_ms=event.underrun_ms, **heard))
+                                    underrun_ms=event.underrun_ms, underrun_at_ms=list(event.underrun_at_ms),
+                                    **heard))
 
     def _started(self, event: PlayoutEvent, utterance: Utterance | None) -> protocol.Started:
         rtp_timestamp = self.lesson.started(event.utterance_id, event.pts)
