@@ -204,11 +204,8 @@ class StreamDecoder:
         return need > lead_s and lead_s + growth * (self.snac.HEAD_FRAMES - bridged) >= need
 
     def _bridge(self) -> None:
-        """First audio of the streams whose head is ready, and more bridge audio for started streams still short
-        of the lead the exact stream's hand-over costs: after the bridge's last audio (one frame behind its
-        input), the exact stream's next comes two frames later and 4757 - 2 * 2048 samples short, so at
-        real-time generation pace the lead must hold 4757 samples (`handover_lead_s`; less at a faster pace, see
-        `_keeps_bridging`)."""
+        """First audio of the streams whose head is ready (with their own lookahead), and a further piece (lookahead
+        1) for each started stream with a new frame while `_keeps_bridging` says so."""
         by_lookahead: dict[int, list[DecodeStream]] = {}
         for stream in self._streams:
             handle = stream.handle
@@ -217,8 +214,10 @@ class StreamDecoder:
             if not stream.started:
                 if self._head_ready(stream):
                     by_lookahead.setdefault(stream.lookahead, []).append(stream)
-            elif self.snac.bridging_over(handle) or not self.snac.bridgeable(handle, 1, BRIDGE_CROSSFADE):
-                stream.bridging = not self.snac.bridging_over(handle)
+            elif self.snac.bridging_over(handle):
+                stream.bridging = False
+            elif not self.snac.bridgeable(handle, 1, BRIDGE_CROSSFADE):
+                continue  # no new frame since its last piece
             elif self._keeps_bridging(stream, handle.bridged, stream.lead_s()):
                 by_lookahead.setdefault(1, []).append(stream)
             else:
