@@ -34,6 +34,7 @@ from tests.support import SERVER_START_TIMEOUT_S, VllmServer, free_port, tiny_co
 
 LONG_TEXT = "This utterance will lose its server."
 LONG_SEED = 23
+KILL_ATTEMPTS = 2  # the engine-core kill test tries again if the utterance was generated before the kill landed
 LONG_TOKENS = 225  # what LONG_TEXT with LONG_SEED generates when left alone (~5 s on CPU): the same ids every run
 
 
@@ -428,16 +429,26 @@ async def test_engine_core_killed_mid_stream_is_engine_dead(remote_synth: Synthe
     """Last: SIGKILL of `vllm serve`'s engine core only (what an OOM kill or a GPU fault does): vLLM reports it inside
     the stream (an error event, code 500) and shuts its API server down. The utterance ends `engine_dead`, not as
     a bug (`engine_error`: found by bench.faults on an H200), and the restarted server serves again."""
-    assert vllm_server.proc is not None
-    (core,) = [p for p in psutil.Process(vllm_server.proc.pid).children(recursive=True)
-               if "EngineCore" in p.name()]
-    consumer, stats = await long_utterance_under_way(remote_synth)
-    core.kill()
-    with pytest.raises(EngineDeadError) as info:
-        await consumer
+    error: EngineDeadError | None = None
+    for _ in range(KILL_ATTEMPTS):
+        assert vllm_server.proc is not None
+        (core,) = [p for p in psutil.Process(vllm_server.proc.pid).children(recursive=True)
+                   if "EngineCore" in p.name()]
+        try:
+            consumer, stats = await long_utterance_under_way(remote_synth)
+            core.kill()
+            await consumer
+        except EngineDeadError as exc:
+            error = exc
+        finally:  # what is left of it (under `serve --workers` the supervisor restarts it); later tests need it
+            vllm_server.kill()
+            vllm_server.start()
+            await remote_synth.engine.wait_ready(timeout=SERVER_START_TIMEOUT_S)
+        if error is not None:
+            break
+        # The whole utterance was out before the kill landed (a busy machine delayed its first chunk): again.
+        assert stats.tokens == LONG_TOKENS
+    assert error is not None, "the engine core's death ended the utterance"
     assert stats.tokens < LONG_TOKENS, "killed mid-stream"
-    assert info.value.code == "engine_dead", info.value
-    vllm_server.kill()  # what is left of it; under `serve --workers` the supervisor restarts it
-    vllm_server.start()
-    await remote_synth.engine.wait_ready(timeout=SERVER_START_TIMEOUT_S)
+    assert error.code == "engine_dead", error
     await speak(remote_synth, "Back again.", seed=14)
