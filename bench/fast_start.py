@@ -33,9 +33,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from bench.timing import simulate_playback
+from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
 from gateway.speech.snac_stream import StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
@@ -109,11 +108,6 @@ async def run_one(decoder: StreamDecoder, frames: list[Frame], policy: str, pace
                         round(playback.stall_s * 1000, 1), round(stream.handle.handover / SAMPLE_RATE * 1000, 1),
                         round((snac.stats.approx_frames - approx_before) / n, 3),
                         round((snac.stats.stepped_frames - stepped_before) / n, 3))
-
-
-def random_frames(n: int, seed: int) -> list[Frame]:
-    rng = np.random.default_rng(seed)
-    return [tuple(int(c) for c in rng.integers(0, 4096, 7)) for _ in range(n)]  # type: ignore[misc]
 
 
 def load_snac(path: str | None) -> StreamingSnac:

@@ -28,6 +28,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 from gateway.cluster.workers import vllm_serve_command
 from gateway.config import GatewayConfig, from_sources
 from gateway.devtools.client import HeadlessPeer
+from gateway.devtools.devmodels import random_frames
 from gateway.edge.app import create_app
 from gateway.edge.http import GATEWAY_KEY
 from gateway.edge.state import GatewayState
@@ -58,8 +59,7 @@ def free_port() -> int:
 
 
 def make_frames(n: int, seed: int = 0) -> list[Frame]:
-    rng = np.random.default_rng(seed)
-    return [tuple(int(c) for c in rng.integers(0, 4096, 7)) for _ in range(n)]  # type: ignore[misc]
+    return random_frames(n, seed)
 
 
 
@@ -80,6 +80,17 @@ def first_window(frames: list[Frame], context: int = 1, lookahead: int = 1) -> D
 
 
 
+
+
+async def decoded_audio(chunks: asyncio.Queue[Any], timeout: float = 60.0) -> np.ndarray:
+    """The PCM of a decode stream's `chunks` ((pcm, last) pairs, then None) concatenated; a failure it carries
+    is raised. `timeout`: the longest wait for one item."""
+    pieces: list[np.ndarray] = []
+    while (item := await asyncio.wait_for(chunks.get(), timeout)) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        pieces.append(item[0])
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
 
 
 async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]

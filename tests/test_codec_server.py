@@ -47,7 +47,7 @@ from gateway.speech.codec_server import (
 from gateway.speech.snac_stream import MAX_HEAD_FRAMES, StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats, uses_stream_decoder
-from tests.support import first_window, make_frames, take_all, wait_until
+from tests.support import decoded_audio, first_window, make_frames, take_all, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -296,18 +296,9 @@ async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list
         at += step
     decoder.finish(stream)
     try:
-        return await audio_of(stream.chunks)
+        return await decoded_audio(stream.chunks)
     finally:
         decoder.release(stream)
-
-
-async def audio_of(chunks: asyncio.Queue[Any]) -> np.ndarray:
-    pieces: list[np.ndarray] = []
-    while (item := await chunks.get()) is not None:
-        if isinstance(item, BaseException):
-            raise item
-        pieces.append(item[0])
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
 
 
 async def test_streams_through_the_server_sound_as_in_process(snac_weights: Any, server_path: Path) -> None:
@@ -347,7 +338,7 @@ async def test_streams_of_two_clients_share_one_step(snac_weights: Any, server_p
         for client, stream in zip(clients, (first, second), strict=True):
             client.finish(stream)
         for stream in (first, second):
-            assert len(await audio_of(stream.chunks)) == frames * SAMPLES_PER_FRAME
+            assert len(await decoded_audio(stream.chunks)) == frames * SAMPLES_PER_FRAME
         assert 2 in steps, "one step decoded the streams of both clients"
     finally:
         gated.go.set()

@@ -27,7 +27,7 @@ from gateway.speech.snac_stream import (
     reference_decode,
 )
 from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
-from tests.support import wait_until
+from tests.support import decoded_audio, make_frames, wait_until
 
 EXACT = 1e-5  # float32 max abs difference that counts as exact (measured: ~6e-7; audio peaks ~0.7)
 BF16_MIN_SNR_DB = 33.0  # measured 39 dB on CPU (40 dB on an H200 for windowed decodes); see test_half_precision_snr
@@ -35,11 +35,6 @@ FP16_MIN_SNR_DB = 50.0  # measured 58 dB on CPU (56 dB on an H200)
 
 LENGTHS = list(range(1, 41)) if os.environ.get("SNAC_STREAM_ALL_LENGTHS") else [*range(1, 13), 17, 25, 40]
 PATTERNS = ([1], [1, 3, 2], [2], [3, 1], [1, 1, 5], [4])  # frames pushed per tick, cycled
-
-
-def make_frames(n: int, seed: int) -> list[Frame]:
-    rng = np.random.default_rng(seed)
-    return [tuple(int(c) for c in rng.integers(0, 4096, 7)) for _ in range(n)]  # type: ignore[misc]
 
 
 def snr_db(reference: np.ndarray, other: np.ndarray) -> float:
@@ -479,14 +474,6 @@ def test_bridge_to_the_end_of_a_short_utterance_is_exact(decoder: StreamingSnac,
     assert np.abs(audio - utt.reference)[exact_from:].max() < EXACT
 
 
-async def _decoded(stream: DecodeStream) -> list[np.ndarray]:
-    pieces = []
-    while (item := await asyncio.wait_for(stream.chunks.get(), 60)) is not None:
-        assert not isinstance(item, BaseException)
-        pieces.append(item[0])
-    return pieces
-
-
 @pytest.mark.parametrize(("lead_s", "handover"), [(0.0, (MAX_HEAD_FRAMES - 1) * SAMPLES_PER_FRAME),
                                                   (1.0, SAMPLES_PER_FRAME)])
 async def test_the_bridge_goes_on_until_the_lead_covers_the_handover(snac_model: torch.nn.Module, lead_s: float,
@@ -504,9 +491,9 @@ async def test_the_bridge_goes_on_until_the_lead_covers_the_handover(snac_model:
         for frame in frames[2:]:
             decoder.push(stream, [frame])
         decoder.finish(stream)
-        rest = await _decoded(stream)
+        rest = await decoded_audio(stream.chunks)
         assert stream.handle is not None and stream.handle.handover == handover
-        assert sum(len(p) for p in [first[0], *rest]) == len(frames) * SAMPLES_PER_FRAME
+        assert len(first[0]) + len(rest) == len(frames) * SAMPLES_PER_FRAME
     finally:
         decoder.close()
 
@@ -533,9 +520,9 @@ async def test_the_bridge_stops_early_when_the_lead_will_not_cover_the_handover(
             await wait_until(lambda k=k: stream.handle is not None and (
                 not stream.bridging or stream.handle.bridged >= min(k, MAX_HEAD_FRAMES)), timeout=60)
         decoder.finish(stream)
-        pieces = await _decoded(stream)
+        audio = await decoded_audio(stream.chunks)
         assert stream.handle is not None and stream.handle.handover == handover_frames * SAMPLES_PER_FRAME
-        assert sum(len(p) for p in pieces) == len(frames) * SAMPLES_PER_FRAME
+        assert len(audio) == len(frames) * SAMPLES_PER_FRAME
     finally:
         decoder.close()
 
@@ -550,8 +537,8 @@ async def test_fast_tokens_get_audio_from_the_first_frame(snac_model: torch.nn.M
         first = await asyncio.wait_for(stream.chunks.get(), 60)
         assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME - BRIDGE_CROSSFADE,)
         decoder.finish(stream)
-        rest = await _decoded(stream)
-        assert sum(len(p) for p in [first[0], *rest]) == SAMPLES_PER_FRAME
+        rest = await decoded_audio(stream.chunks)
+        assert len(first[0]) + len(rest) == SAMPLES_PER_FRAME
     finally:
         decoder.close()
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 # --- Orpheus ids (gateway/orpheus.py may later own these) -------------------------------------------
@@ -51,6 +52,7 @@ from gateway.orpheus import (  # noqa: E402, F401
     START_OF_AI_ID,
     START_OF_HUMAN_ID,
     START_OF_SPEECH_ID,
+    Frame,
     audio_token_id,
 )
 
@@ -435,6 +437,14 @@ SNAC_24KHZ_CONFIG: dict[str, Any] = {
     "noise": True,
     "depthwise": True,
 }
+
+
+def random_frames(n: int, seed: int = 0) -> list[Frame]:
+    """`n` Orpheus frames of random SNAC codes (7 codes in [0, 4096) each), the same for the same seed: what the
+    tests and benches feed a random-weight SNAC."""
+    rng = np.random.default_rng(seed)
+    return [tuple(int(c) for c in rng.integers(0, CODEBOOK_SIZE, SLOTS_PER_FRAME))  # type: ignore[misc]
+            for _ in range(n)]
 
 
 def build_test_snac(out_dir: str | Path, seed: int = 0) -> Path:
