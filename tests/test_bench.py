@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,48 @@ def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_pat
     assert runs["first-only"]["handover_ms"] == pytest.approx(85.3, abs=0.1)
     assert runs["bridge-la1"]["handover_ms"] > runs["first-only"]["handover_ms"]
     assert all(run["frames_at_first_audio"] >= 2 and run["exact_frames_per_frame"] > 1 for run in runs.values())
+
+
+def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:
+    """bench.snac_work (eager variants): a window moves ~2.5x the bytes of a stream step per new frame, the masked
+    step more than the unmasked one, and snac's Snake counts as one kernel per activation."""
+    from bench import snac_work
+
+    out = tmp_path / "snac_work.json"
+    assert snac_work.main(["--out", str(out), "--no-compiled"]) == 0
+    variants = json.loads(out.read_text())["variants"]
+    stream, masked, windows = variants["stream"], variants["stream masked"], variants["windows"]
+    assert 2.0 < windows["mb_per_frame"] / stream["mb_per_frame"] < 3.0
+    assert masked["mb_per_frame"] > stream["mb_per_frame"] and masked["kernels"] > stream["kernels"]
+    assert stream["by_kind"]["snake"]["kernels"] == windows["by_kind"]["snake"]["kernels"] == 29
+    assert "index_select" in stream["by_kind"] and "index_select" not in windows["by_kind"]
+
+
+def test_snac_profile_runs_and_sorts_kernels_into_kinds(tmp_path: Path) -> None:
+    """bench/device/snac_profile.py: its CPU smoke run profiles both decoders, and CUDA kernel names (as an H200's
+    profiles show them) land in the kinds that say what bounds a step."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench" / "device"))
+    try:
+        import snac_profile
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "profile.json"
+    assert snac_profile.main(["--device", "cpu", "--batch", "2", "--steps", "1", "--dtype", "float32",
+                              "--variants", "windows,stream", "--out", str(out)]) == 0
+    variants = json.loads(out.read_text())["variants"]
+    assert set(variants) == {"windows", "stream"} and all(v["step_us"] > 0 and v["top"] for v in variants.values())
+    names = {
+        "void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel<1, float, int>": "conv depthwise",
+        "triton_poi_fused_add_cat_mul_sin_0": "Inductor",
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nchw": "conv / GEMM",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "elementwise",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 3, 64, 64>": "cat",
+        "void at::native::index_elementwise_kernel<128, 4>": "gather",
+        "Memcpy HtoD (Pinned -> Device)": "memcpy",
+        "fused_add_mul_pow_reciprocal_sin": "Snake",
+    }
+    assert all(snac_profile.kind_of(name).startswith(kind) for name, kind in names.items()), {
+        name: snac_profile.kind_of(name) for name in names}
 
 
 def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:

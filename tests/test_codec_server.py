@@ -226,7 +226,7 @@ async def test_without_a_server_a_batch_fails_clearly_and_decoding_resumes_when_
 def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
     settings = CodecServerSettings(socket=str(tmp_path / "s.sock"), snac_model="x", snac_dtype="bfloat16",
                                    cuda_graphs=False, window_lengths=(2, 3), max_batch=8, decoder="windows",
-                                   max_streams=96)
+                                   max_streams=96, compile=True)
     env = codec_server_env(settings)
     assert CodecServerSettings.from_env(env[SERVER_ENV]) == settings
 
@@ -234,6 +234,7 @@ def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"snac_placement": "gpu"}, "snac_placement must be one of process, shared"),
     ({"snac_placement": "engine"}, "snac_placement must be one of process, shared"),
+    ({"snac_compile": True, "snac_decoder": "windows"}, "snac_compile needs snac_decoder stream"),
 ])
 def test_bad_placements_are_refused(overrides: dict[str, object], message: str) -> None:
     from gateway.config import ConfigError, from_sources

@@ -250,6 +250,35 @@ def test_graph_buckets_emulated(snac_model: torch.nn.Module, utterances: dict[in
     assert snac.stats.padded_rows > 0 and snac.stats.launches > 12  # padded buckets; 4 rows split as 3 + 1
 
 
+def test_compiled_step_matches_eager(snac_model: torch.nn.Module, utterances: dict[int, Utterance]) -> None:
+    """`compile=True`: the step through torch.compile with the depthwise convolutions as shifted products gives the
+    full decode's audio (first and last frames included), in batches of 2 and 3 rows (a lone row is padded to 2),
+    masked and unmasked, from two compiled graphs: the batch size does not recompile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    snac = StreamingSnac(snac_model, "cpu", "float32", max_streams=8, compile=True)
+    snac.capture_graphs(max_batch=3, buckets=(1,), emulate=True)
+    assert sorted(snac._graphs) == [(False, 2), (False, 3), (True, 2), (True, 3)]
+    chosen = [utterances[n] for n in (6, 3, 5, 2)]
+    handles = [snac.open_stream(u.seed) for u in chosen]
+    pieces: list[list[np.ndarray]] = [[] for _ in handles]
+    for tick in range(14):
+        for h, u, lag in zip(handles, chosen, (0, 1, 3, 0), strict=True):
+            if lag <= tick < lag + len(u.frames):
+                snac.push(h, [u.frames[tick - lag]])
+                if h.received == len(u.frames):
+                    snac.finish(h)
+        for out, piece in zip(pieces, snac.step_batch(handles, as_float=True), strict=True):
+            out.append(piece)
+    for u, h, out in zip(chosen, handles, pieces, strict=True):
+        assert snac.done(h)
+        assert np.abs(np.concatenate(out) - u.reference).max() < EXACT
+    assert counters["stats"]["unique_graphs"] == 2  # masked and unmasked, whatever the batch size
+    assert any(c.taps for c in snac.decoder.pre) and all(u.conv.taps for b in snac.decoder.blocks for u in b.units)
+
+
 def test_bridge_graphs_emulated(snac_model: torch.nn.Module, decoder: StreamingSnac,
                                 utterances: dict[int, Utterance]) -> None:
     """The bridge's graphs (host logic on CPU, as above): its common lengths replay a graph for batches up to the

@@ -5,7 +5,8 @@ For each batch size B (streams decoded together) and dtype, one call advances ev
 
 - windows: `gateway.speech.codec.SnacModel` with CUDA graphs on 3-frame windows (1 context + 1 new + 1
   lookahead), what the gateway runs today;
-- stream: `gateway.speech.snac_stream.StreamingSnac` with CUDA graphs (one frame per stream per step).
+- stream: `gateway.speech.snac_stream.StreamingSnac` with CUDA graphs (one frame per stream per step);
+- stream-compiled (`--stream-variants eager,compiled`): the same with its step through torch.compile.
 
 Reported per row: `gpu_ms` (torch.cuda.Event time of the graph replay alone, median; for the stream the
 unmasked steady-state step, `gpu_ms_masked` the masked step of a stream's first 3 and last 3 steps), `call_ms`
@@ -123,9 +124,10 @@ def bench_windows(snac_dir: str, device: torch.device, dtype: str, batches: list
 
 
 def bench_stream(snac_dir: str, device: torch.device, dtype: str, batches: list[int], repeats: int,
-                 warmup: int, utterance_frames: int) -> list[dict[str, Any]]:
+                 warmup: int, utterance_frames: int, compile: bool = False) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
-    snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=max(batches), max_batch=max(batches))
+    snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=max(batches), max_batch=max(batches),
+                              compile=compile)
     capture_s = time.perf_counter() - t0
     rows = []
     rng = np.random.default_rng(1)
@@ -155,7 +157,8 @@ def bench_stream(snac_dir: str, device: torch.device, dtype: str, batches: list[
         masked_per_s = gpu_ms[True] / batch * STEPS_PER_AUDIO_SECOND
         steps = utterance_frames + flush
         amortized = ((steps - edge_steps) * per_s + edge_steps * masked_per_s) / utterance_frames
-        rows.append({"method": "stream", "dtype": dtype, "batch": batch, "gpu_ms": round(gpu_ms[False], 3),
+        rows.append({"method": "stream-compiled" if compile else "stream", "dtype": dtype, "batch": batch,
+                     "gpu_ms": round(gpu_ms[False], 3),
                      "gpu_ms_masked": round(gpu_ms[True], 3), "call_ms": round(call_ms, 3),
                      "gpu_ms_per_audio_s": round(per_s, 4),
                      "decoded_frames_per_new_frame": round(steps / utterance_frames, 4),
@@ -188,9 +191,10 @@ def bench_bridge(snac_dir: str, device: torch.device, dtype: str, repeats: int, 
     return rows
 
 
-def check(snac_dir: str, device: torch.device, with_bf16: bool) -> dict[str, Any]:
+def check(snac_dir: str, device: torch.device, with_bf16: bool, compiled: bool = False) -> dict[str, Any]:
     """Graphed streaming decode of lengths 1, 7, 23 (one padded batch, streams at different positions) vs the
-    full `SNAC.decode` with the same noise; and bfloat16 vs float32 streaming (SNR)."""
+    full `SNAC.decode` with the same noise; bfloat16 vs float32 streaming (SNR); with `compiled`, the compiled
+    step's float32 decode vs `SNAC.decode` too."""
     from snac import SNAC
 
     tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
@@ -203,8 +207,9 @@ def check(snac_dir: str, device: torch.device, with_bf16: bool) -> dict[str, Any
         refs = [reference_decode(model, [u], [s])[0] for u, s in zip(utterances, seeds, strict=True)]
         result: dict[str, Any] = {}
         streamed: dict[str, list[np.ndarray]] = {}
-        for dtype in ("float32", "bfloat16") if with_bf16 else ("float32",):
-            snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=4, max_batch=4)
+        variants = [("float32", False)] + [("bfloat16", False)] * with_bf16 + [("float32", True)] * compiled
+        for dtype, compile in variants:
+            snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=4, max_batch=4, compile=compile)
             handles = [snac.open_stream(s) for s in seeds]
             pieces: list[list[np.ndarray]] = [[] for _ in handles]
             for tick in range(40):
@@ -215,11 +220,13 @@ def check(snac_dir: str, device: torch.device, with_bf16: bool) -> dict[str, Any
                             snac.finish(h)
                 for piece, out in zip(snac.step_batch(handles, as_float=True), pieces, strict=True):
                     out.append(piece)
-            streamed[dtype] = [np.concatenate(p) for p in pieces]
-            result[f"{dtype}_graphed"] = bool(snac._graphs)
-        diffs = [float(np.abs(a - r).max()) for a, r in zip(streamed["float32"], refs, strict=True)]
-        result["float32_max_abs_diff_vs_snac_decode"] = max(diffs)
-        result["float32_exact"] = max(diffs) < 1e-4
+            name = f"{dtype}_compiled" if compile else dtype
+            streamed[name] = [np.concatenate(p) for p in pieces]
+            result[f"{name}_graphed"] = bool(snac._graphs)
+        for name in [n for n in streamed if n.startswith("float32")]:
+            diffs = [float(np.abs(a - r).max()) for a, r in zip(streamed[name], refs, strict=True)]
+            result[f"{name}_max_abs_diff_vs_snac_decode"] = max(diffs)
+            result[f"{name}_exact"] = max(diffs) < 1e-4
         if with_bf16:
             ref = np.concatenate(streamed["float32"])
             got = np.concatenate(streamed["bfloat16"])
@@ -243,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument("--snake", choices=("script", "compiled"), default="script",
                         help="Snake activation: snac's TorchScript function, or one torch.compile kernel (fused)")
+    parser.add_argument("--stream-variants", default="eager",
+                        help="streaming steps to time, comma-separated: eager, compiled (StreamingSnac(compile=True))")
     args = parser.parse_args(argv)
+    variants = args.stream_variants.split(",")
+    if not set(variants) <= {"eager", "compiled"}:
+        parser.error("--stream-variants: eager and/or compiled")
     if args.snake == "compiled":
         use_compiled_snake()
     device = torch.device(args.device)
@@ -261,14 +273,17 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "batches": batches, "dtypes": dtypes, "repeats": repeats,
             "tf32_cudnn": torch.backends.cudnn.allow_tf32 if cuda else None, "snake": args.snake, "results": []}
         if not args.no_check:
-            report["check"] = check(snac_dir, device, "bfloat16" in dtypes)
+            report["check"] = check(snac_dir, device, "bfloat16" in dtypes, "compiled" in variants)
             print("check:", json.dumps(report["check"]), flush=True)
         for dtype in dtypes:
             report["results"] += bench_windows(snac_dir, device, dtype, batches, repeats, warmup)
             if cuda:
                 torch.cuda.empty_cache()
-            report["results"] += bench_stream(snac_dir, device, dtype, batches, repeats, warmup,
-                                              args.utterance_frames)
+            for variant in variants:
+                report["results"] += bench_stream(snac_dir, device, dtype, batches, repeats, warmup,
+                                                  args.utterance_frames, compile=variant == "compiled")
+                if cuda:
+                    torch.cuda.empty_cache()
             report.setdefault("bridge", []).extend(bench_bridge(snac_dir, device, dtype, repeats, warmup))
             print("bridge:", json.dumps(report["bridge"][-4:]), flush=True)
             if cuda:
@@ -277,22 +292,22 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     by_key = {(r["method"], r["dtype"], r["batch"]): r for r in report["results"]}
     for r in report["results"]:
-        if r["method"] == "stream":
+        if r["method"].startswith("stream"):
             w = by_key.get(("windows", r["dtype"], r["batch"]))
             if w:
                 ratio = w["amortized_gpu_ms_per_audio_s"] / r["amortized_gpu_ms_per_audio_s"]
                 r["windows_over_stream"] = round(ratio, 2)
-    header = (f"{'method':8} {'dtype':9} {'B':>4} {'gpu_ms':>9} {'masked':>9} {'call_ms':>9} {'ms/audio-s':>11} "
+    header = (f"{'method':15} {'dtype':9} {'B':>4} {'gpu_ms':>9} {'masked':>9} {'call_ms':>9} {'ms/audio-s':>11} "
               f"{'frames/new':>10} {'amortized':>10} {'win/str':>8}")
     print(header)
     for r in report["results"]:
         masked = f"{r['gpu_ms_masked']:.3f}" if "gpu_ms_masked" in r else "-"
-        print(f"{r['method']:8} {r['dtype']:9} {r['batch']:>4} {r['gpu_ms']:>9.3f} {masked:>9} {r['call_ms']:>9.3f} "
+        print(f"{r['method']:15} {r['dtype']:9} {r['batch']:>4} {r['gpu_ms']:>9.3f} {masked:>9} {r['call_ms']:>9.3f} "
               f"{r['gpu_ms_per_audio_s']:>11.4f} {r['decoded_frames_per_new_frame']:>10.3f} "
               f"{r['amortized_gpu_ms_per_audio_s']:>10.4f} {r.get('windows_over_stream', ''):>8}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    ok = report.get("check", {}).get("float32_exact", True)
+    ok = all(v for k, v in report.get("check", {}).items() if k.endswith("_exact"))
     return 0 if ok else 1
 
 

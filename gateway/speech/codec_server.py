@@ -102,6 +102,7 @@ class CodecServerSettings:
     max_batch: int = 256
     decoder: str = "stream"  # which protocol and decoder: one of SNAC_DECODERS (the gateway's snac_decoder)
     max_streams: int = 512  # stream only: stream slots, for the sentences of all workers together
+    compile: bool = False  # stream only: the step through torch.compile (the gateway's snac_compile)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -707,7 +708,7 @@ def load_stream_decoder(settings: CodecServerSettings) -> StreamDecoder:
 
     snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
                               max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
-                              max_batch=settings.max_batch)
+                              max_batch=settings.max_batch, compile=settings.compile)
     return StreamDecoder(snac, settings.max_batch)
 
 

@@ -482,7 +482,7 @@ def codec_server_settings(config: GatewayConfig, path: str = "") -> CodecServerS
                                snac_dtype=config.snac_dtype,
                                cuda_graphs=config.snac_cuda_graphs, window_lengths=tuple(_window_lengths(config)),
                                max_batch=config.decode_max_batch, decoder=config.snac_decoder,
-                               max_streams=_stream_slots(config))
+                               max_streams=_stream_slots(config), compile=config.snac_compile)
 
 
 def _window_lengths(config: GatewayConfig) -> list[int]:

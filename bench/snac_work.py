@@ -1,0 +1,228 @@
+"""Kernels and bytes of one exact-stream SNAC step per stream, counted on the CPU, for each way of running it:
+
+    .venv/bin/python -m bench.snac_work --out snac_work.json            # eager and compiled (~2 min on 2 cores)
+    .venv/bin/python -m bench.snac_work --out snac_work.json --no-compiled
+
+Why bytes: on an H200 a 256-stream bfloat16 step took 14.6 ms for 256 x 0.85 GFLOP (15 TFLOP/s, ~1.5% of the
+card's bf16 peak), and bfloat16 was only 1.2x faster than float32 (docs/benchmarks.md, 2026-12-04): the decoder
+is bound by its passes over activations and its kernels, not by arithmetic. So this counts, per step, the
+kernels launched and, per stream, the bytes they read and write. Per-stream bytes are the difference of two batch
+sizes (`--batches`), so the weights, read once per kernel whatever the batch, drop out.
+
+- eager: the aten ops `_Decoder.stream` runs (views excluded; snac's Snake counted as one kernel, as TorchScript's
+  fuser makes it on CUDA), each reading its inputs and writing its outputs once;
+- compiled: `StreamingSnac(compile=True)` (depthwise convolutions as shifted products), from the code Inductor
+  generates: its fused kernels and the convolutions it leaves to aten, each reading its argument buffers and
+  writing its outputs once, plus the step's eager ops around it (state gather and scatter, PCM). Inductor's CPU
+  kernels stand in for its GPU ones: one fusion scheduler for both, though the GPU's may split more kernels;
+- windows: a 3-frame window (`_Decoder.full`, the windows decoder's work), which decodes 3 frames per new one.
+
+The predicted GPU gain of a variant, if the step stays bound by memory traffic, is the ratio of bytes per stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from snac import SNAC
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import gateway.speech.snac_stream as snac_stream
+from gateway.devtools.devmodels import SNAC_24KHZ_CONFIG
+from gateway.orpheus import SLOTS_PER_FRAME
+from gateway.speech.snac_stream import OPEN_END, StreamingSnac
+
+# Views and allocations move no data.
+NO_TRAFFIC = {"slice", "reshape", "view", "unsqueeze", "squeeze", "transpose", "select", "expand", "_unsafe_view",
+              "alias", "t", "permute", "as_strided", "detach", "lift_fresh", "empty_like", "empty", "empty_strided"}
+WINDOW_FRAMES = 3
+
+
+def _bytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+class OpCounter(TorchDispatchMode):
+    """Each non-view aten op: (kind, bytes of its tensor inputs + outputs). Inside `one_kernel` ops are not
+    counted one by one: the region counts as one kernel reading its input and writing its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+        self._inside = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if self._inside or name in NO_TRAFFIC:
+            return out
+        if name == "conv1d":  # (input, weight, bias, stride, padding, dilation, groups)
+            name = "conv depthwise" if len(args) > 6 and args[6] > 1 else "conv"
+        elif name == "conv_transpose1d":
+            name = "conv transposed"
+        writes = sum(_bytes(o) for o in tree_leaves(out))
+        if name == "index":  # a gather reads the rows it returns, not its whole table
+            reads = writes
+        elif name == "copy_":  # writes its destination (the output), reads its source
+            reads = _bytes(args[1])
+        else:
+            reads = sum(_bytes(a) for a in tree_leaves((args, kwargs)))
+        self.ops.append((name, reads + writes))
+        return out
+
+    def one_kernel(self, name: str | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` counted as one kernel `name` (reading its first argument, writing its output), or not at all
+        (`name` None)."""
+        def run(x: torch.Tensor, *rest: Any) -> Any:
+            self._inside += 1
+            try:
+                out = fn(x, *rest)
+            finally:
+                self._inside -= 1
+            if name is not None and not self._inside:
+                self.ops.append((name, _bytes(x) + _bytes(out)))
+            return out
+        return run
+
+
+def _inputs(snac: StreamingSnac, batch: int) -> tuple[torch.Tensor, ...]:
+    """`_Decoder.stream`'s arguments for `batch` streams mid-utterance."""
+    gen = torch.Generator().manual_seed(batch)
+    return (torch.zeros(batch, snac.decoder.state_size, dtype=snac.dtype),
+            torch.randint(0, 4096, (batch, 1, SLOTS_PER_FRAME), generator=gen),
+            torch.full((batch,), 10), torch.full((batch,), OPEN_END), torch.arange(batch))
+
+
+def _packed(batch: int) -> torch.Tensor:
+    """`StreamingSnac._run_packed`'s rows for `batch` streams in slots 0..batch-1, mid-utterance."""
+    gen = torch.Generator().manual_seed(batch)
+    codes = torch.randint(0, 4096, (batch, SLOTS_PER_FRAME), generator=gen)
+    rest = torch.tensor([[slot, 10, OPEN_END, slot] for slot in range(batch)])
+    return torch.cat([codes, rest], dim=1)
+
+
+def count_eager(snac: StreamingSnac, batch: int, what: str) -> list[tuple[str, int]]:
+    """The ops of one window decode (`windows`) or of one whole step (`stream`, `stream masked`: the state's
+    gather and scatter and the PCM conversion included); `around` counts only what the step runs outside
+    `_Decoder.stream` (the part a compiled step leaves eager)."""
+    counter = OpCounter()
+    snake, stream = snac_stream.snake, snac._stream
+    snac_stream.snake = counter.one_kernel("snake", snake)  # type: ignore[assignment]
+    if what == "around":
+        snac._stream = counter.one_kernel(None, stream)
+    _, _, frame, _, seeds = _inputs(snac, batch)
+    window = torch.randint(0, 4096, (batch, WINDOW_FRAMES, SLOTS_PER_FRAME))
+    packed = _packed(batch)
+    try:
+        with torch.inference_mode(), counter:
+            if what == "windows":
+                snac.decoder.full(window, frame - 1, seeds)
+            else:
+                snac._run_packed(packed, masked=what == "stream masked")
+    finally:
+        snac_stream.snake, snac._stream = snake, stream  # type: ignore[assignment]
+    return counter.ops
+
+
+_SHAPE = re.compile(r"^\s*(\w+) = (?:empty_strided_\w+|reinterpret_tensor)\((?:\w+, )?\(([\d, ]*)\)")
+_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([\d, ]*)\)")
+_CALL = re.compile(r"^\s*(?:(\w+) = )?(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+)(?:\.run)?\((.*)\)\s*$")
+
+
+def _numel(dims: str) -> int:
+    n = 1
+    for d in dims.replace(" ", "").strip(",").split(","):
+        n *= int(d) if d else 1
+    return n
+
+
+def count_compiled(snac: StreamingSnac, batch: int) -> list[tuple[str, int]]:
+    """Kernels of Inductor's code for the unmasked step at `batch` rows, each with the bytes of its buffer
+    arguments and its output (element size: the decoder's dtype; the int64 positions count as that too)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    step = torch.compile(snac.decoder.stream, fullgraph=True, dynamic=False)
+    with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False):
+        _, sources = run_and_get_code(step, *_inputs(snac, batch), False)
+    code = "\n".join(sources)
+    call = code[code.index("def call("):]
+    shapes: dict[str, int] = {}
+    for line in call.splitlines():
+        for pattern in (_SHAPE, _ASSERT):
+            match = pattern.search(line)
+            if match:
+                shapes.setdefault(match.group(1), _numel(match.group(2)))
+    size = torch.empty(0, dtype=snac.dtype).element_size()
+    ops = []
+    for line in call.splitlines():
+        match = _CALL.match(line)
+        if not match:
+            continue
+        target, kernel, args = match.groups()
+        names = set(re.findall(r"\b(buf\d+|arg\d+_\d+)\b", args)) | ({target} if target else set())
+        kind = "conv (aten)" if kernel.startswith("extern_kernels.conv") else (
+            "other (aten)" if kernel.startswith("extern") else "fused (Inductor)")
+        ops.append((kind, sum(shapes.get(n, 0) for n in names) * size))
+    return ops
+
+
+def per_stream(small: list[tuple[str, int]], large: list[tuple[str, int]], batches: tuple[int, int],
+               per_frame: int = 1) -> dict[str, Any]:
+    """Kernels per step and bytes per stream and new frame, by kind: (large - small) / (batch difference)."""
+    rows = batches[1] - batches[0]
+    kinds: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for at, ops in enumerate((small, large)):
+        for kind, moved in ops:
+            kinds[kind][0] += at  # kernels: counted on the large batch
+            kinds[kind][1 + at] += moved
+    table = {k: {"kernels": n, "mb_per_frame": round((big - little) / rows / per_frame / 1e6, 3)}
+             for k, (n, little, big) in sorted(kinds.items(), key=lambda kv: kv[1][1] - kv[1][2])}
+    return {"kernels": sum(v["kernels"] for v in table.values()),
+            "mb_per_frame": round(sum(v["mb_per_frame"] for v in table.values()), 3), "by_kind": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON results file")
+    parser.add_argument("--dtype", default="float32", choices=sorted(snac_stream.DTYPES))
+    parser.add_argument("--batches", default="2,4", help="two batch sizes, comma-separated")
+    parser.add_argument("--no-compiled", action="store_true", help="skip the compiled step (~2 min on 2 cores)")
+    args = parser.parse_args(argv)
+    small, large = (int(b) for b in args.batches.split(","))
+    torch.manual_seed(0)
+    model = SNAC(**SNAC_24KHZ_CONFIG).eval()
+    eager = StreamingSnac(model, "cpu", args.dtype, max_streams=large)
+    report: dict[str, Any] = {"dtype": args.dtype, "batches": [small, large], "variants": {}}
+    for what in ("windows", "stream masked", "stream"):
+        per_frame = WINDOW_FRAMES if what == "windows" else 1
+        counts = [count_eager(eager, b, what) for b in (small, large)]
+        report["variants"][what] = per_stream(*counts, (small, large))
+        report["variants"][what]["decoded_frames"] = per_frame
+    if not args.no_compiled:
+        compiled = StreamingSnac(model, "cpu", args.dtype, max_streams=large, compile=True)
+        counts = [count_compiled(compiled, b) + count_eager(eager, b, "around") for b in (small, large)]
+        report["variants"]["stream compiled"] = per_stream(*counts, (small, large))
+        report["variants"]["stream compiled"]["decoded_frames"] = 1
+    base = report["variants"]["stream"]["mb_per_frame"]
+    print(f"{'variant':18} {'kernels/step':>12} {'MB/new frame':>12} {'vs stream':>9}   largest kinds (MB/new frame)")
+    for name, v in report["variants"].items():
+        v["vs_stream"] = round(v["mb_per_frame"] / base, 2)
+        top = ", ".join(f"{k} {d['mb_per_frame']:.2f}" for k, d in list(v["by_kind"].items())[:4])
+        print(f"{name:18} {v['kernels']:>12} {v['mb_per_frame']:>12.2f} {v['vs_stream']:>9.2f}   {top}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
