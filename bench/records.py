@@ -85,6 +85,21 @@ def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]
         record.arrivals = [(round(t * MS, 2), round(d * MS, 2)) for t, d in arrivals]
 
 
+def count_server_underruns(record: RequestRecord) -> None:
+    """WebRTC: at 0 ms a server underrun is a stall, whether or not the client's frame times show it. Peers ask for
+    `jitter_buffer_ms=0`, so the server's 0 ms view is the listener's, and the silence it sent is in the stream;
+    but Opus' spill makes a one-frame underrun read as audio at the client (bench/README.md, WebRTC frame
+    accounting), which hid most of them (2026-12-03 H200 run: 83 requests with server underruns at 128 peers,
+    25 client stalls). Buffered views keep the client's figures: their buffer absorbs the lateness."""
+    played = record.playback.get("0")
+    underruns = (record.server or {}).get("underruns") or 0
+    if played is None or not underruns:
+        return
+    played["server_underruns"] = underruns
+    if not played["stalled"]:
+        played.update(stalled=True, stalls=underruns, stall_ms=(record.server or {}).get("underrun_ms") or 0)
+
+
 def summarize(records: Sequence[RequestRecord], users: int, buffers_ms: Sequence[int]) -> dict[str, Any]:
     """The per-point figures the tables and plots show (definitions in bench/README.md)."""
     ok = [r for r in records if r.ok]

@@ -21,7 +21,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, new_record
+from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, count_server_underruns, new_record
 from bench.settings import BenchOptions
 from gateway.config import GatewayConfig
 from gateway.devtools.client import SILENCE_RMS, HeadlessPeer, ReceivedEvent, ReceivedFrame
@@ -149,6 +149,7 @@ async def _speak_one(peer: HeadlessPeer, request: PlannedRequest, options: Bench
     if endings.out_of_order and record.error is None:
         record.error = "events_out_of_order"
     apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals)
+    count_server_underruns(record)
     return record
 
 

@@ -197,6 +197,26 @@ def test_snac_profile_runs_and_sorts_kernels_into_kinds(tmp_path: Path) -> None:
         name: snac_profile.kind_of(name) for name in names}
 
 
+def test_a_server_underrun_is_a_stall_at_0_ms_only() -> None:
+    """A one-frame server underrun reads as audio at the client (Opus' spill), so at 0 ms the server's count
+    decides; a buffered listener's figure stays the client's."""
+    from bench.records import RequestRecord, apply_arrivals, count_server_underruns
+
+    arrivals = [(0.1 + 0.02 * i, 0.02) for i in range(50)]  # on time: no client stall at any buffer
+    records = []
+    for underruns in (0, 2):
+        record = RequestRecord(user=0, index=0, lang="en", size="short", chars=10, sent_at_s=0.0)
+        apply_arrivals(record, arrivals, [0, 500], 10.0, keep=False)
+        record.server = {"underruns": underruns, "underrun_ms": 20 * underruns}
+        count_server_underruns(record)
+        records.append(record)
+    clean, underran = records
+    assert not clean.playback["0"]["stalled"] and "server_underruns" not in clean.playback["0"]
+    assert underran.playback["0"] == {"stalled": True, "stalls": 2, "stall_ms": 40, "max_late_ms": 0.0,
+                                      "server_underruns": 2}
+    assert not underran.playback["500"]["stalled"]
+
+
 def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:
     from bench.records import underruns_where
 

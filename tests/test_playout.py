@@ -321,6 +321,37 @@ async def test_underrun_counted_only_mid_utterance() -> None:
     assert track.stats().underrun_ms == 3 * FRAME_MS
 
 
+@pytest.mark.asyncio
+async def test_waiting_for_the_end_after_the_last_audio_is_not_an_underrun() -> None:
+    """The end arriving after the last whole frame has played (the synthesizer finishing) leaves no gap inside
+    what was heard, only the flushed remainder after it: not counted. An underrun followed by more audio before
+    the end still is."""
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, pace=False)
+    track.begin_utterance("tail", 0)
+    track.push_pcm("tail", ms_of_pcm(80))  # 3 whole frames; the rest waits in the partial frame and resampler
+    played = [not is_silent(await track.recv()) for _ in range(7)]
+    assert played == [True] * 3 + [False] * 4 and track.stats().underruns == 1  # dry, the end not known yet
+    track.end_utterance("tail")
+    samples = await drain(track, events, "tail")
+    finished = events[-1]
+    assert finished.kind is PlayoutEventKind.FINISHED and finished.audio_ms == 80 and np.any(samples[0])
+    assert (finished.underruns, finished.underrun_ms, finished.underrun_at_ms) == (0, 0, ())
+    assert track.stats().underruns == 0 and track.stats().underrun_ms == 0
+
+    track.begin_utterance("gap", 0)
+    track.push_pcm("gap", ms_of_pcm(100))
+    for _ in range(7):
+        await track.recv()
+    track.push_pcm("gap", ms_of_pcm(40))
+    for _ in range(3):
+        await track.recv()
+    track.end_utterance("gap")
+    await drain(track, events, "gap")
+    finished = events[-1]
+    assert (finished.underruns, finished.underrun_at_ms) == (1, (4 * FRAME_MS,))
+
+
 # ---------------------------------------------------------------- events
 
 

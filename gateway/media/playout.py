@@ -12,6 +12,9 @@ starts only once ``jitter_buffer_ms`` of its audio has been pushed, or the
 utterance has been ended. Once started, running dry before the end is an
 underrun (silence is sent and counted); playback resumes as soon as a whole
 frame is ready again (no re-buffering, which would only lengthen the gap).
+Running dry after the last whole frame while the end has not arrived yet is
+silence sent but, once the end comes, not an underrun: only the flushed
+remainder (< 1 frame) follows it, and the listener heard the utterance out.
 The start threshold counts pushed (input) audio, so the resampler's ~0.7 ms
 filter delay never holds back the start.
 
@@ -155,6 +158,7 @@ class _Utterance:
     in_underrun: bool = False
     underruns: int = 0
     underrun_frames: int = 0
+    current_underrun_frames: int = 0  # frames of the underrun under way
     # Audio played (frames) when each underrun began, the first MAX_UNDERRUNS_LISTED: whether a stream runs dry at
     # its start, between sentences or waiting for its end tells which part of synthesis was late.
     underrun_at: list[int] = field(default_factory=list)
@@ -296,6 +300,7 @@ class PlayoutTrack(MediaStreamTrack):
             return False
         if utt.ended:
             return True
+        waited_for_the_end = utt.in_underrun and not utt.frames  # dry, and no whole frame came since
         if utt.resampler is not None:
             # Flushing drains the resampler's filter delay (~32 samples), so
             # the utterance keeps exactly 2x its input samples.
@@ -307,6 +312,8 @@ class PlayoutTrack(MediaStreamTrack):
             utt.frames.append(utt.partial.tobytes())
             utt.partial_len = 0
             self._queued_frames += 1
+        if waited_for_the_end:
+            self._uncount_underrun(utt)
         utt.ended = True
         return True
 
@@ -457,14 +464,29 @@ class PlayoutTrack(MediaStreamTrack):
                 continue
             if not utt.in_underrun:
                 utt.in_underrun = True
+                utt.current_underrun_frames = 0
                 utt.underruns += 1
                 self._underruns += 1
                 if len(utt.underrun_at) < MAX_UNDERRUNS_LISTED:
                     utt.underrun_at.append(utt.frames_played)
+            utt.current_underrun_frames += 1
             utt.underrun_frames += 1
             self._underrun_frames += 1
             return _SILENCE
         return _SILENCE
+
+    def _uncount_underrun(self, utt: _Utterance) -> None:
+        """The end came during an underrun: it waited for the end, not for audio (the Speaker ends an utterance
+        once the synthesizer has finished, a little after its last chunk). All that follows is the flushed
+        remainder, the last <= 20.7 ms of input (the partial frame and the resampler's filter delay, which only
+        the end releases): the listener heard the utterance out, not a gap inside it. Only gaps inside count."""
+        utt.underruns -= 1
+        self._underruns -= 1
+        utt.underrun_frames -= utt.current_underrun_frames
+        self._underrun_frames -= utt.current_underrun_frames
+        if utt.underrun_at and utt.underrun_at[-1] == utt.frames_played:  # it was listed (one per frame position)
+            utt.underrun_at.pop()
+        utt.in_underrun = False
 
     def _finish(self, utt: _Utterance) -> None:
         while utt.markers:

@@ -175,7 +175,7 @@ class Done(Event, tag="done"):
     audio_ms: float
     underruns: int
     underrun_ms: float
-    underrun_at_ms: list[float] = []  # audio played when each underrun began (the first 16): start, joins, end
+    underrun_at_ms: list[float] = []  # audio played when each gap inside the audio began (the first 16)
     played_ms: float = 0.0
     heard_text: str = ""
     last_word: int = -1
