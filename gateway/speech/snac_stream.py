@@ -103,6 +103,9 @@ MAX_HEAD_FRAMES = 8  # frames of a stream's start kept for `bridge`: it covers a
 # Frames of left context of a bridge decode (before the first sample it hands out). Its error comes from the one
 # frame of right context; 1 frame on the left costs 3 decoded frames per bridged frame, as sliding windows did.
 BRIDGE_CONTEXT_FRAMES = 1
+# A compiled step is general in the batch size from 2 up: dynamo specializes a dimension of size 1, so a lone row
+# is padded to 2 (one scratch row) instead of compiling a third graph.
+COMPILED_MIN_BATCH = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --- position-tied noise --------------------------------------------------------------------------------
@@ -608,8 +611,7 @@ class StreamingSnac:
         self.chunk_frames = chunk_frames
         self.decoder = _Decoder(model, self.device, self.dtype, depthwise_taps=compile)
         self.compiled = compile
-        # One compile per `masked` value: the batch dimension is marked dynamic (`_run_packed`), and batches of
-        # one never reach it (the smallest graph bucket is 2 then).
+        # One compile per `masked` value: the batch dimension is marked dynamic (`_run_packed`) and never 1.
         self._stream = (torch.compile(self.decoder.stream, fullgraph=True, dynamic=False) if compile
                         else self.decoder.stream)
         self.delay_samples = self.decoder.delay
@@ -647,9 +649,10 @@ class StreamingSnac:
         """The step on packed rows [B, 7k + 4] (codes, slot, first frame, end, seed), all on the device: gather
         the states, advance, scatter them back; float32 audio and int16 PCM [B, 2048 k]."""
         rows = packed.shape[0]
-        if self.compiled and rows == 1:  # the compiled step is general in the batch size from 2 up
-            audio, pcm = self._run_packed(torch.cat([packed, self._padding_rows(1)]), masked)
-            return audio[:1], pcm[:1]
+        if self.compiled and rows < COMPILED_MIN_BATCH:
+            padded = torch.cat([packed, self._padding_rows(COMPILED_MIN_BATCH - rows)])
+            audio, pcm = self._run_packed(padded, masked)
+            return audio[:rows], pcm[:rows]
         w = self._codes_width
         slots = packed[:, w]
         codes = packed[:, :w].reshape(-1, self.chunk_frames, SLOTS_PER_FRAME)
@@ -698,7 +701,7 @@ class StreamingSnac:
         if not (cuda or emulate):
             return
         top = min(max_batch or 512, self.max_streams)
-        smallest = 2 if self.compiled else 1  # a compiled step is general in the batch size from 2 up
+        smallest = COMPILED_MIN_BATCH if self.compiled else 1
         sizes = sorted({max(b, smallest) for b in buckets if b < top} | {max(top, smallest)})
         pool = torch.cuda.graph_pool_handle() if cuda and not emulate else None
         with torch.inference_mode():
