@@ -35,6 +35,7 @@ from gateway.speech.codec_server import (
     PUSH_HEAD,
     RELEASE,
     SERVER_ENV,
+    SERVER_POLL_S,
     STATUS_ERROR,
     STREAM_HELLO,
     CodecClient,
@@ -491,7 +492,13 @@ async def test_the_synthesizer_speaks_through_the_shared_stream_decoder(synthesi
     decoder = Synthesizer.load(config).decoder
     assert isinstance(decoder, CodecStreamClient), "snac_socket with snac_decoder stream: the shared stream decoder"
     remote = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, decoder)
+    assert synthesizer.engine.ready and not remote.ready, "not ready while the SNAC process does not listen"
+    waiting = asyncio.create_task(remote.wait_for_decoder())
+    await asyncio.sleep(3 * SERVER_POLL_S)
+    assert not waiting.done()
     server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
+    await asyncio.wait_for(waiting, timeout=10)
+    assert remote.ready, "ready once it listens; the probe's connection does not disturb the server"
     try:
         stats = UtteranceStats()
         chunks = [c async for c in remote.utterance("Spoken through the socket. Twice!", "tara", seed=4,

@@ -118,7 +118,9 @@ async def readyz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ready"})
     if gateway.failure is not None:
         return web.json_response({"status": "failed", "reason": gateway.failure}, status=503)
-    state = gateway.synthesizer.engine.state.value if gateway.synthesizer else "loading"
+    synthesizer = gateway.synthesizer
+    state = "loading" if synthesizer is None else (
+        synthesizer.engine.state.value if not synthesizer.engine.ready else "waiting_for_snac")
     return web.json_response({"status": state}, status=503)
 
 

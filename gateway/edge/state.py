@@ -37,15 +37,21 @@ class GatewayState:
         self.admission = Admission.from_config(config)
         self.access = AccessPolicy.from_lists(config.auth_token, config.auth_secret, config.allowed_origin)
         self.sessions = SessionManager(
-            SessionServices(config, self.metrics, self.admission, lambda: self.synthesizer), session_id_prefix)
+            SessionServices(config, self.metrics, self.admission, self._speaking_synthesizer), session_id_prefix)
         self._owns_synthesizer = synthesizer is None
         self._start_task: asyncio.Task[None] | None = None
         self.failure: str | None = None  # why the engine could not start: /readyz says so
         self.on_failure: Callable[[str], None] | None = None  # `serve` exits non-zero on it
 
+    def _speaking_synthesizer(self) -> Synthesizer | None:
+        """The synthesizer once sessions may speak through it: loaded, and its SNAC decoder reachable (until then
+        a `speak` is refused as "still starting", with a retry hint)."""
+        synthesizer = self.synthesizer
+        return synthesizer if synthesizer is not None and synthesizer.decoder_ready else None
+
     @property
     def ready(self) -> bool:
-        return self.synthesizer is not None and self.synthesizer.engine.ready
+        return self.synthesizer is not None and self.synthesizer.ready
 
     def _on_engine_state(self, state: EngineState) -> None:
         self.metrics.engine_ready.set(1 if state is EngineState.READY else 0)

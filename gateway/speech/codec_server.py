@@ -84,6 +84,7 @@ MAX_MESSAGE_BYTES = 1 << 20  # above a push's and a chunk's largest (a first chu
 MAX_STREAM_FRAMES = 1 << 16  # 93 min of audio: far beyond any sentence (max_tokens bounds them)
 MAX_CONNECTION_STREAMS = 4096  # ids a connection holds open at once (its worker's sentences, not yet released)
 MAX_UNSENT_BYTES = 64 << 20  # audio waiting for a client that stopped reading: the connection is dropped
+SERVER_POLL_S = 0.25  # how often `wait_for_server` tries a server that does not listen yet
 LEAD_MS_LIMIT = (1 << 31) - 1
 
 
@@ -717,6 +718,28 @@ def load_server(settings: CodecServerSettings) -> CodecServer | StreamCodecServe
     if settings.decoder not in SNAC_DECODERS:
         raise ValueError(f"decoder must be one of {', '.join(SNAC_DECODERS)}, not {settings.decoder!r}")
     return StreamCodecServer.load(settings) if settings.decoder == "stream" else CodecServer.load(settings)
+
+
+async def wait_for_server(path: str | Path, poll_s: float = SERVER_POLL_S) -> None:
+    """Return once a codec server accepts connections at `path`. The SNAC process listens only after loading SNAC
+    and capturing (and, with `snac_compile`, compiling) its steps, which can outlast `vllm serve`'s start: until
+    then a worker must not take users whose sentences it could not decode."""
+    waiting = False
+    while True:
+        try:
+            _, writer = await asyncio.open_unix_connection(str(path))
+        except OSError:
+            if not waiting:
+                log.info("waiting for the SNAC server at %s", path)
+                waiting = True
+            await asyncio.sleep(poll_s)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        if waiting:
+            log.info("the SNAC server at %s is up", path)
+        return
 
 
 def codec_server_env(settings: CodecServerSettings) -> dict[str, str]:

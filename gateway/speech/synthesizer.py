@@ -38,6 +38,7 @@ from gateway.speech.codec_server import (
     CodecStreamClient,
     load_stream_decoder,
     load_window_model,
+    wait_for_server,
 )
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.remote import RemoteEngine
@@ -147,6 +148,8 @@ class Synthesizer:
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
         self._patient_lead_s = config.decode_patient_lead_ms / 1000
         self._fast_start_s = config.decode_fast_start_ms / 1000
+        # A decoder in this process is ready once built; a shared SNAC process once it listens (`start`).
+        self.decoder_ready = not config.snac_socket
 
     @classmethod
     def load(cls, config: GatewayConfig) -> Synthesizer:
@@ -164,7 +167,23 @@ class Synthesizer:
         return cls(config, engine, tokenizer, decoder)
 
     async def start(self) -> None:
-        await self.engine.start()
+        """Start the engine and, beside it, wait for the shared SNAC process (`snac_socket`) to listen."""
+        waiting = asyncio.create_task(self.wait_for_decoder())
+        try:
+            await self.engine.start()
+            await waiting
+        finally:
+            waiting.cancel()  # the engine failed or start was cancelled: stop waiting too (no-op once done)
+
+    async def wait_for_decoder(self) -> None:
+        if not self.decoder_ready and self.config.snac_socket:
+            await wait_for_server(self.config.snac_socket)
+        self.decoder_ready = True
+
+    @property
+    def ready(self) -> bool:
+        """Both halves can take sentences: the engine is up and the SNAC decoder reachable."""
+        return self.decoder_ready and self.engine.ready
 
     async def close(self) -> None:
         await self.engine.close()
