@@ -559,6 +559,30 @@ async def test_the_bridge_stops_early_when_the_lead_will_not_cover_the_handover(
         decoder.close()
 
 
+@pytest.mark.parametrize(("lead_s", "second_piece"), [(0.0, SAMPLES_PER_FRAME), (0.1, BRIDGE_CROSSFADE)])
+async def test_a_fast_start_without_lead_goes_on_without_lookahead(snac_model: torch.nn.Module, lead_s: float,
+                                                                  second_piece: int) -> None:
+    """After a lookahead-0 start, a listener with less than a frame ahead (0 ms) gets the next frame whole as soon
+    as it is in (lookahead 0 again), not just the crossfade a lookahead-1 piece adds until a frame beyond it
+    arrives; with more than a frame ahead (100 ms) the pieces go back to lookahead 1."""
+    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
+    try:
+        frames = make_frames(4, seed=14)
+        stream = decoder.open(lambda: lead_s, lookahead=0)
+        decoder.push(stream, frames[:1])
+        first = await asyncio.wait_for(stream.chunks.get(), 60)
+        assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME - BRIDGE_CROSSFADE,)
+        decoder.push(stream, frames[1:2])
+        second = await asyncio.wait_for(stream.chunks.get(), 60)
+        assert isinstance(second, tuple) and second[0].shape == (second_piece,)
+        decoder.push(stream, frames[2:])
+        decoder.finish(stream)
+        rest = await decoded_audio(stream.chunks)
+        assert len(first[0]) + len(second[0]) + len(rest) == len(frames) * SAMPLES_PER_FRAME
+    finally:
+        decoder.close()
+
+
 async def test_fast_tokens_get_audio_from_the_first_frame(snac_model: torch.nn.Module) -> None:
     """Lookahead 0 (the engine's tokens come fast): the first audio is out once one frame is in, all of it but
     the crossfade that joins the next piece."""

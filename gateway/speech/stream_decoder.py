@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.orpheus import SAMPLE_RATE, Frame
+from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
 from gateway.speech.codec import DecodeStats
 
 if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_server imports it, torch-free)
@@ -44,6 +44,7 @@ STEPS_BEFORE_AUDIO = 2  # a stream's first two steps emit nothing (4096 < 4757 s
 BRIDGE_CROSSFADE = 512  # samples: halves the hand-over error of a 256-sample fade (snac_stream docstring)
 # Lead beyond the hand-over's own need: a tick's decode and delivery (~15 ms at 256 streams on an H200).
 HANDOVER_MARGIN_S = 0.02
+FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 
 
 @dataclass(eq=False)
@@ -203,9 +204,18 @@ class StreamDecoder:
         need = self.handover_lead_s - 3 * growth
         return need > lead_s and lead_s + growth * (self.snac.HEAD_FRAMES - bridged) >= need
 
+    @staticmethod
+    def _piece_lookahead(stream: DecodeStream) -> int:
+        """Lookahead of a started stream's next bridge piece: 1 (the exact-er one), except for a stream that
+        started without lookahead and has less than a frame of audio ahead of its listener. Its first piece
+        handed out its whole frame, so a piece with lookahead 1 would add only the crossfade until a second
+        frame beyond it arrives: if the pace falls after a fast start (a burst joining), that stalls the
+        listener (bench.fast_start at 1.5x: 86 ms)."""
+        return 0 if stream.lookahead == 0 and stream.lead_s() < FRAME_S else 1
+
     def _bridge(self) -> None:
-        """First audio of the streams whose head is ready (with their own lookahead), and a further piece (lookahead
-        1) for each started stream with a new frame while `_keeps_bridging` says so."""
+        """First audio of the streams whose head is ready (with their own lookahead), and a further piece
+        (`_piece_lookahead`) for each started stream with a new frame while `_keeps_bridging` says so."""
         by_lookahead: dict[int, list[DecodeStream]] = {}
         for stream in self._streams:
             handle = stream.handle
@@ -216,10 +226,10 @@ class StreamDecoder:
                     by_lookahead.setdefault(stream.lookahead, []).append(stream)
             elif self.snac.bridging_over(handle):
                 stream.bridging = False
-            elif not self.snac.bridgeable(handle, 1, BRIDGE_CROSSFADE):
+            elif not self.snac.bridgeable(handle, lookahead := self._piece_lookahead(stream), BRIDGE_CROSSFADE):
                 continue  # no new frame since its last piece
             elif self._keeps_bridging(stream, handle.bridged, stream.lead_s()):
-                by_lookahead.setdefault(1, []).append(stream)
+                by_lookahead.setdefault(lookahead, []).append(stream)
             else:
                 stream.bridging = False
         for lookahead, group in by_lookahead.items():
