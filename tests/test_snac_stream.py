@@ -226,18 +226,14 @@ def test_masks_only_where_needed(decoder: StreamingSnac, utterances: dict[int, U
     assert np.abs(never - utt.reference)[-SAMPLES_PER_FRAME:].max() > 1e-2  # the end
 
 
-def test_graph_buckets_emulated(snac_model: torch.nn.Module, utterances: dict[int, Utterance]) -> None:
-    """The CUDA-graph path's host logic on CPU: static inputs, batches padded to a bucket with rows on the scratch
-    slot, masked and unmasked graphs, batches split at the largest bucket. (The capture itself needs a GPU:
-    bench/device/snac_stream_bench.py checks the captured graphs against `SNAC.decode`.)"""
-    snac = StreamingSnac(snac_model, "cpu", "float32", max_streams=8)
-    snac.capture_graphs(max_batch=3, buckets=(1,), emulate=True)
-    assert sorted(snac._graphs) == [(False, 1), (False, 3), (True, 1), (True, 3)]
-    chosen = [utterances[n] for n in (1, 3, 5, 2)]
+def decode_staggered(snac: StreamingSnac, chosen: list[Utterance], ticks: int,
+                     lags: tuple[int, ...] = (0, 1, 3, 0)) -> None:
+    """Four utterances fed one frame per tick from their own start tick (`lags`), one `step_batch` per tick for all
+    (so batches shrink and grow, and streams sit at different positions): each done, and exact."""
     handles = [snac.open_stream(u.seed) for u in chosen]
     pieces: list[list[np.ndarray]] = [[] for _ in handles]
-    for tick in range(12):
-        for h, u, lag in zip(handles, chosen, (0, 1, 3, 0), strict=True):
+    for tick in range(ticks):
+        for h, u, lag in zip(handles, chosen, lags, strict=True):
             if lag <= tick < lag + len(u.frames):
                 snac.push(h, [u.frames[tick - lag]])
                 if h.received == len(u.frames):
@@ -247,6 +243,16 @@ def test_graph_buckets_emulated(snac_model: torch.nn.Module, utterances: dict[in
     for u, h, out in zip(chosen, handles, pieces, strict=True):
         assert snac.done(h)
         assert np.abs(np.concatenate(out) - u.reference).max() < EXACT
+
+
+def test_graph_buckets_emulated(snac_model: torch.nn.Module, utterances: dict[int, Utterance]) -> None:
+    """The CUDA-graph path's host logic on CPU: static inputs, batches padded to a bucket with rows on the scratch
+    slot, masked and unmasked graphs, batches split at the largest bucket. (The capture itself needs a GPU:
+    bench/device/snac_stream_bench.py checks the captured graphs against `SNAC.decode`.)"""
+    snac = StreamingSnac(snac_model, "cpu", "float32", max_streams=8)
+    snac.capture_graphs(max_batch=3, buckets=(1,), emulate=True)
+    assert sorted(snac._graphs) == [(False, 1), (False, 3), (True, 1), (True, 3)]
+    decode_staggered(snac, [utterances[n] for n in (1, 3, 5, 2)], ticks=12)
     assert snac.stats.padded_rows > 0 and snac.stats.launches > 12  # padded buckets; 4 rows split as 3 + 1
 
 
@@ -262,19 +268,7 @@ def test_compiled_step_matches_eager(snac_model: torch.nn.Module, utterances: di
     snac.capture_graphs(max_batch=3, buckets=(1,), emulate=True)
     assert sorted(snac._graphs) == [(False, 2), (False, 3), (True, 2), (True, 3)]
     chosen = [utterances[n] for n in (6, 3, 5, 2)]
-    handles = [snac.open_stream(u.seed) for u in chosen]
-    pieces: list[list[np.ndarray]] = [[] for _ in handles]
-    for tick in range(14):
-        for h, u, lag in zip(handles, chosen, (0, 1, 3, 0), strict=True):
-            if lag <= tick < lag + len(u.frames):
-                snac.push(h, [u.frames[tick - lag]])
-                if h.received == len(u.frames):
-                    snac.finish(h)
-        for out, piece in zip(pieces, snac.step_batch(handles, as_float=True), strict=True):
-            out.append(piece)
-    for u, h, out in zip(chosen, handles, pieces, strict=True):
-        assert snac.done(h)
-        assert np.abs(np.concatenate(out) - u.reference).max() < EXACT
+    decode_staggered(snac, chosen, ticks=14)
     snac._graphs.clear()  # no graphs: a lone stream's row goes to the compiled step padded to two rows
     alone = decode_alone(snac, chosen[0].frames, chosen[0].seed)
     assert np.abs(alone - chosen[0].reference).max() < EXACT
