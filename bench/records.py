@@ -92,12 +92,13 @@ def count_server_underruns(record: RequestRecord) -> None:
     accounting), which hid most of them (2026-12-03 H200 run: 83 requests with server underruns at 128 peers,
     25 client stalls). Buffered views keep the client's figures: their buffer absorbs the lateness."""
     played = record.playback.get("0")
-    underruns = (record.server or {}).get("underruns") or 0
+    server = record.server or {}
+    underruns = server.get("underruns") or 0
     if played is None or not underruns:
         return
     played["server_underruns"] = underruns
     if not played["stalled"]:
-        played.update(stalled=True, stalls=underruns, stall_ms=(record.server or {}).get("underrun_ms") or 0)
+        played.update(stalled=True, stalls=underruns, stall_ms=server.get("underrun_ms") or 0)
 
 
 def summarize(records: Sequence[RequestRecord], users: int, buffers_ms: Sequence[int]) -> dict[str, Any]:

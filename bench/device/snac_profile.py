@@ -103,15 +103,17 @@ def variant_runs(snac_dir: str, device: torch.device, dtype: str, batch: int, va
     if "windows" in variants:
         model = SnacModel.load(snac_dir, str(device), dtype)
         codes = rng.integers(0, 4096, (batch, SLOTS_PER_FRAME * WINDOW_FRAMES), dtype=np.int64)
-        runs["windows"] = lambda: model.decode_codes(codes, WINDOW_FRAMES, use_graphs=False)
+        runs["windows"] = lambda c=codes: model.decode_codes(c, WINDOW_FRAMES, use_graphs=False)
     for name in ("stream", "stream-compiled"):
         if name not in variants:
             continue
         snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=batch, capture_graphs=False,
                                   compile=name == "stream-compiled")
-        rows = [[*rng.integers(0, 4096, SLOTS_PER_FRAME).tolist(), slot, 10, OPEN_END, slot] for slot in range(batch)]
-        packed = torch.tensor(rows, dtype=torch.int64, device=device)
-        runs[name] = lambda s=snac, p=packed: s._launch(p, masked=False)
+        slots = torch.arange(batch, device=device)
+        frames = torch.from_numpy(rng.integers(0, 4096, (batch, 1, SLOTS_PER_FRAME))).to(device)
+        mid = torch.full((batch,), 10, device=device)  # every stream mid-utterance: the unmasked step
+        ends = torch.full((batch,), OPEN_END, device=device)
+        runs[name] = lambda s=snac, a=(slots, frames, mid, ends, slots): s.step(*a, masked=False)
     return runs
 
 
