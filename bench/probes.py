@@ -1,10 +1,10 @@
 """Where the time goes during a measurement point: engine process, SNAC worker, event loop.
 
 CPU time is read per thread of this process (the event loop thread runs asyncio, aiortc and vLLM's output
-handling; the `snac-decoder` thread runs SNAC; the rest are torch/OpenMP and library threads), per child
-process (vLLM's engine core, the bench's client processes), and for the whole machine (busy cores: with a gateway
-running elsewhere on the same host, everything the point cost). An event-loop lag monitor shows how late the loop
-wakes up, which is what delays every stream's chunks at once.
+handling; the SNAC decoder's thread, `stream_decoder.THREAD_NAME`, runs SNAC; the rest are torch/OpenMP and library
+threads), per child process (vLLM's engine core, the bench's client processes), and for the whole machine (busy
+cores: with a gateway running elsewhere on the same host, everything the point cost). An event-loop lag monitor
+shows how late the loop wakes up, which is what delays every stream's chunks at once.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from typing import Any
 import psutil
 
 from bench.timing import describe
-from gateway.speech.codec import DecodeStats
+from gateway.speech.stream_decoder import THREAD_NAME, DecodeStats
 
 LAG_INTERVAL_S = 0.01  # how often the lag monitor wakes up
-SNAC_THREAD_NAME = "snac-decoder"
 MS = 1000.0
 
 
@@ -36,16 +35,16 @@ class CpuSnapshot:
     children_s: dict[int, float]  # engine processes (and their children)
     clients_s: dict[int, float]  # benchmark client processes: not the gateway's CPU
     snac_batches: int
-    snac_windows: int
+    snac_windows: int  # stream-steps
     snac_frames: int  # new audio frames
-    snac_window_frames: int  # frames run through SNAC (context and lookahead included)
+    snac_window_frames: int  # frames run through SNAC
     snac_busy_s: float
     host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
 def _thread_ids() -> tuple[int | None, int | None]:
     loop_id = threading.current_thread().native_id
-    snac_id = next((t.native_id for t in threading.enumerate() if t.name == SNAC_THREAD_NAME), None)
+    snac_id = next((t.native_id for t in threading.enumerate() if t.name == THREAD_NAME), None)
     return loop_id, snac_id
 
 
@@ -105,7 +104,8 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "ms_per_batch": round(busy / batches * MS, 2) if batches else None,
             "new_frames": frames,
             "window_frames": window_frames,
-            # recomputation: 3.0 for 1-frame hops with 1 frame of context and lookahead, 1.5 at a hop of 4
+            # recomputation: 1.0 for the exact stream (one frame per stream-step); its bridge's decodes are not
+            # counted here (StreamingSnac.stats)
             "frames_per_new_frame": round(window_frames / frames, 3) if frames else None,
             "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },

@@ -1,7 +1,7 @@
 """Benchmark options: the command line, the seed's sweeps (GPU defaults) and the `--quick` CPU preset.
 
 Every GatewayConfig field is also a flag here (`--max-num-seqs 128`, `--enforce-eager`, `--kv-cache-dtype
-fp8`, `--decode-hop-frames 2`, ...), typed like `orpheus-gateway serve`'s; environment variables are not
+fp8`, `--decode-max-batch 128`, ...), typed like `orpheus-gateway serve`'s; environment variables are not
 read, so a run's settings are exactly its command line (and all of them are written into the JSON).
 """
 

@@ -15,7 +15,8 @@ sizes (`--batches`), so the weights, read once per kernel whatever the batch, dr
   generates: its fused kernels and the convolutions it leaves to aten, each reading its argument buffers and
   writing its outputs once, plus the step's eager ops around it (state gather and scatter, PCM). Inductor's CPU
   kernels stand in for its GPU ones: one fusion scheduler for both, though the GPU's may split more kernels;
-- windows: a 3-frame window (`_Decoder.full`, the windows decoder's work), which decodes 3 frames per new one.
+- windows: a 3-frame window (`_Decoder.full`: the work per new frame of the gateway's old windows decoder, the
+  benchmarks' baseline in bench/device/windows_baseline.py, and of a bridge decode), 3 frames per new one.
 
 The predicted GPU gain of a variant, if the step stays bound by memory traffic, is the ratio of bytes per stream.
 """

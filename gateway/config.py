@@ -22,7 +22,6 @@ ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SNAC_PLACEMENTS = ("process", "shared")
-SNAC_DECODERS = ("stream", "windows")
 JITTER_BUFFER_MAX_MS = 5000  # the one bound of a session's jitter buffer (flag, offer, WHEP query, page)
 MIN_SECRET_CHARS = 16  # shorter static tokens or HMAC secrets are guessable; refused at start-up
 ANY_ORIGIN = "*"
@@ -96,29 +95,16 @@ class GatewayConfig:
     snac_dtype: str = _opt("auto", "SNAC decoder precision: auto (bfloat16 on a GPU, float32 on CPU), float32, "
                            "bfloat16 (on an H200 the exact decoder kept 180 of 256 streams real time at 0 ms "
                            "against float32's 74; 39 dB SNR against float32) or float16.")
-    snac_decoder: str = _opt("stream", "How SNAC decodes. stream: the exact incremental decoder (each frame decoded "
-                             "once, output equal to a full decode; gateway/speech/snac_stream.py). windows: "
-                             "sliding windows (decode_* settings below; ~2.9 frames decoded per new frame, "
-                             "approximate). The shared SNAC process of --workers decodes the same way for all workers.")
-    decode_context_frames: int = _opt(1, "SNAC frames of left context in each decode window.")
-    decode_lookahead_frames: int = _opt(1, "SNAC frames of right context a frame waits for.")
     decode_fast_start_ms: float = _opt(45.0, "Play an utterance's first frame without waiting for its lookahead "
                                        "frame (7 tokens sooner) when the stream's first tokens came fast enough "
                                        "that the next two frames' tokens arrive within this many ms (the first "
                                        "frame plays 85 ms); 0 = off. The margin covers the rate slowing as a "
                                        "burst of new streams joins the batch: with 65, 16 of 128 streams started "
                                        "together stalled 26 ms after their first frame on an H200.")
-    decode_hop_frames: int = _opt(1, "Fewest new frames a decode window emits once streaming (the hop at light load).")
-    decode_max_hop_frames: int = _opt(4, "Most new frames a decode window emits: a stream's next window covers every "
-                                      "frame that arrived while its last decode ran, up to this (adaptive hop; "
-                                      "1 = always one). Raised to decode_hop_frames if lower.")
-    decode_patient_lead_ms: float = _opt(600.0, "A stream whose audio out is this far ahead of real time decodes "
-                                         "only whole decode_max_hop_frames windows (3 -> 1.5 frames decoded per "
-                                         "new frame with the defaults), decoding what is ready anyway before "
-                                         "the lead falls below this; 0 = off.")
-    decode_max_batch: int = _opt(256, "Most windows the SNAC worker decodes in one pass.")
+    decode_max_batch: int = _opt(256, "Most streams the SNAC decoder advances in one step (CUDA graphs are captured "
+                                 "for batches up to this).")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
-    snac_compile: bool = _opt(False, "Compile the exact decoder's step with torch.compile (snac_decoder stream): "
+    snac_compile: bool = _opt(False, "Compile the exact decoder's step with torch.compile: "
                               "Inductor fuses the Snakes, history copies, masks, noise and depthwise convolutions "
                               "(counted on the CPU: 0.59x the bytes moved per frame, 47 kernels per step instead "
                               "of 376; bench/snac_work.py). Adds its compile time to start-up; off until measured "
@@ -292,17 +278,10 @@ def validate(config: GatewayConfig) -> None:
         (all(n >= 0 for n in config.warmup_batch_sizes), "warmup_batch_sizes must be >= 0 (0 = skip)"),
         (0 <= config.jitter_buffer_ms <= JITTER_BUFFER_MAX_MS,
          f"jitter_buffer_ms must be within 0..{JITTER_BUFFER_MAX_MS}"),
-        (config.decode_context_frames >= 0, "decode_context_frames must be >= 0"),
-        (config.decode_lookahead_frames >= 0, "decode_lookahead_frames must be >= 0"),
         (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
         (config.snac_placement in SNAC_PLACEMENTS, f"snac_placement must be one of {', '.join(SNAC_PLACEMENTS)}"),
-        (config.snac_decoder in SNAC_DECODERS, f"snac_decoder must be one of {', '.join(SNAC_DECODERS)}"),
-        (not config.snac_compile or config.snac_decoder == "stream", "snac_compile needs snac_decoder stream"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
-        (config.decode_hop_frames >= 1, "decode_hop_frames must be >= 1"),
-        (config.decode_max_hop_frames >= 1, "decode_max_hop_frames must be >= 1"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
-        (config.decode_patient_lead_ms >= 0, "decode_patient_lead_ms must be >= 0"),
         (config.stream_interval >= 1, "stream_interval must be >= 1"),
         (config.temperature >= 0, "temperature must be >= 0"),
         (0 < config.top_p <= 1, "top_p must be within (0, 1]"),

@@ -14,8 +14,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 BOS_ID = 128000
 END_OF_TEXT_ID = 128009
 START_OF_SPEECH_ID = 128257
@@ -243,21 +241,6 @@ def frames_to_layers(frames: Sequence[Frame]) -> tuple[list[int], list[int], lis
         l1 += (c[1], c[4])
         l2 += (c[2], c[3], c[5], c[6])
     return l0, l1, l2
-
-
-# Columns of a frame's 7 codes in SNAC layer order: L0 = slot 0, L1 = slots 1 and 4, L2 = slots 2, 3, 5, 6.
-_LAYER_COLUMNS = ((0,), (1, 4), (2, 3, 5, 6))
-LAYER_CODES_PER_FRAME = tuple(len(columns) for columns in _LAYER_COLUMNS)  # (1, 2, 4)
-
-
-def windows_to_layer_codes(windows: Sequence[Sequence[Frame]]) -> np.ndarray:
-    """Equal-length windows of frames as one int64 array [windows, 7 * frames]: each row is that window's L0
-    (T codes), then L1 (2T), then L2 (4T), in the order of `frames_to_layers`. One host array per batch, so
-    a batch is one host-to-device copy."""
-    frames = np.asarray(windows, dtype=np.int64)  # [B, T, 7]
-    batch, length = frames.shape[0], frames.shape[1]
-    return np.concatenate([frames[:, :, list(columns)].reshape(batch, length * len(columns))
-                           for columns in _LAYER_COLUMNS], axis=1)
 
 
 def audio_token_id(k: int, code: int) -> int:

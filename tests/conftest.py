@@ -50,21 +50,6 @@ async def synthesizer(test_config: GatewayConfig) -> AsyncIterator[object]:
     await synth.close()
 
 
-@pytest.fixture(scope="session")
-async def windows_synthesizer(synthesizer: object, tiny_snac_dir: Path) -> AsyncIterator[object]:
-    """The shared engine with sliding-window SNAC decoding (`snac_decoder windows`), for the tests of the window
-    path."""
-    import dataclasses
-
-    from gateway.speech.codec import DecodeBatcher, SnacModel
-    from gateway.speech.synthesizer import Synthesizer
-
-    config = dataclasses.replace(synthesizer.config, snac_decoder="windows")  # type: ignore[attr-defined]
-    decoder = DecodeBatcher(SnacModel.load(str(tiny_snac_dir), "cpu"), config.decode_max_batch)
-    yield Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, decoder)  # type: ignore[attr-defined]
-    decoder.close()
-
-
 # --- a real `vllm serve` (remote backend, workers) -------------------------------------------------------
 
 

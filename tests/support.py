@@ -36,7 +36,6 @@ from gateway.orpheus import Frame
 from gateway.rtc.ice import turn_rest_credentials
 from gateway.rtc.protocol import CONTROL_LABEL, protocol_schema
 from gateway.rtc.session import Session
-from gateway.speech.codec import DecodeWindow, StreamWindower
 from gateway.speech.synthesizer import Synthesizer
 
 
@@ -60,25 +59,6 @@ def free_port() -> int:
 
 def make_frames(n: int, seed: int = 0) -> list[Frame]:
     return random_frames(n, seed)
-
-
-
-def take_all(windower: StreamWindower, final: bool = False) -> list[DecodeWindow]:
-    windows: list[DecodeWindow] = []
-    while (window := windower.take(final)) is not None:
-        windows.append(window)
-    return windows
-
-
-
-def first_window(frames: list[Frame], context: int = 1, lookahead: int = 1) -> DecodeWindow:
-    windower = StreamWindower(context, lookahead)
-    windower.push(frames)
-    window = windower.take(final=len(frames) <= lookahead)
-    assert window is not None
-    return window
-
-
 
 
 

@@ -1,7 +1,6 @@
-"""The shared SNAC decoder on a Unix socket, both protocols. Windows: same audio as in-process decoding, requests
-of several clients in one pass. Streams: the same audio as the in-process streaming decoder, the streams of
-several clients in one step, the synthesizer speaking through it. Both: clear errors for bad messages and a
-missing server, and decoding resumes once the server is back."""
+"""The shared SNAC decoder on a Unix socket: the same audio as the in-process streaming decoder, the streams of
+several clients in one step, the synthesizer speaking through it; clear errors for bad messages, for a peer that
+does not speak the protocol and for a missing server, and decoding resumes once the server is back."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,12 @@ import numpy as np
 import pytest
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
-from gateway.speech.codec import DecodeBatcher, SnacModel, StreamWindower, decode_windows
 from gateway.speech.codec_server import (
     ALL_STREAMS,
     CHUNK,
     END,
     ERROR,
     FINISH,
-    HEADER,
     LAST,
     MESSAGE,
     OPEN,
@@ -36,10 +33,7 @@ from gateway.speech.codec_server import (
     RELEASE,
     SERVER_ENV,
     SERVER_POLL_S,
-    STATUS_ERROR,
     STREAM_HELLO,
-    CodecClient,
-    CodecServer,
     CodecServerSettings,
     CodecStreamClient,
     StreamCodecServer,
@@ -47,33 +41,8 @@ from gateway.speech.codec_server import (
 )
 from gateway.speech.snac_stream import MAX_HEAD_FRAMES, StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
-from gateway.speech.synthesizer import Synthesizer, UtteranceStats, uses_stream_decoder
-from tests.support import decoded_audio, first_window, make_frames, take_all, wait_until
-
-
-@pytest.fixture(scope="module")
-def snac(tiny_snac_dir: Path) -> Iterator[SnacModel]:
-    from snac.layers import NoiseBlock
-
-    model = SnacModel.load(str(tiny_snac_dir), "cpu")
-    for m in model.model.modules():  # SNAC adds fresh noise on every call; without it two decodes can be compared
-        if isinstance(m, NoiseBlock):
-            m.forward = lambda x: x  # type: ignore[method-assign]
-    yield model
-
-
-class GatedModel:
-    """The real SNAC model whose first pass waits until the test lets it go, so requests pile up meanwhile."""
-
-    def __init__(self, model: SnacModel) -> None:
-        self.model = model
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def decode_codes(self, codes: np.ndarray, frames: int) -> np.ndarray:
-        self.entered.set()
-        self.release.wait(timeout=30)
-        return self.model.decode_codes(codes, frames)
+from gateway.speech.synthesizer import Synthesizer, UtteranceStats
+from tests.support import decoded_audio, make_frames, wait_until
 
 
 @pytest.fixture
@@ -81,153 +50,9 @@ def server_path(tmp_path: Path) -> Path:
     return tmp_path / "snac.sock"
 
 
-def start_server(model: object, path: Path, max_batch: int = 64) -> CodecServer:
-    server = CodecServer(model, path, max_batch)  # type: ignore[arg-type]
-    server.start()
-    return server
-
-
-def windows_of(lengths_seed: int) -> list:
-    windower = StreamWindower(1, 1, 1)
-    windower.push(make_frames(6, seed=lengths_seed))
-    return [w for w in take_all(windower) if w.length == 3]
-
-
-def test_client_decodes_as_the_model_does(snac: SnacModel, server_path: Path) -> None:
-    server = start_server(snac, server_path)
-    client = CodecClient(server_path)
-    try:
-        windows = windows_of(3)
-        remote = decode_windows(client, windows)
-        local = decode_windows(snac, windows)
-        assert [len(p) for p in remote] == [SAMPLES_PER_FRAME] * len(windows)
-        for a, b in zip(remote, local, strict=True):
-            assert np.array_equal(a, b)
-        first = first_window(make_frames(2, seed=5))  # another length on the same connection
-        assert np.array_equal(decode_windows(client, [first])[0], decode_windows(snac, [first])[0])
-    finally:
-        client.close()
-        server.close()
-    assert not server_path.exists(), "the server removes its socket"
-
-
-def test_requests_waiting_together_share_one_pass_and_get_their_own_rows(snac: SnacModel,
-                                                                        server_path: Path) -> None:
-    gated = GatedModel(snac)
-    server = start_server(gated, server_path)
-    clients = [CodecClient(server_path) for _ in range(3)]
-    results: dict[int, list[np.ndarray]] = {}
-    window_sets = [windows_of(10 + i) for i in range(3)]
-
-    def call(i: int) -> None:
-        results[i] = decode_windows(clients[i], window_sets[i])
-
-    try:
-        first = threading.Thread(target=call, args=(0,))
-        first.start()
-        assert gated.entered.wait(10)
-        others = [threading.Thread(target=call, args=(i,)) for i in (1, 2)]
-        for t in others:
-            t.start()
-        deadline = threading.Event()
-        while server._queue.qsize() < 2 and not deadline.wait(0.01):  # both requests queued behind the first pass
-            pass
-        gated.release.set()
-        for t in (first, *others):
-            t.join(timeout=30)
-        assert server.batches == 2, "the two requests that waited went through SNAC together"
-        for i, windows in enumerate(window_sets):
-            for got, want in zip(results[i], decode_windows(snac, windows), strict=True):
-                assert np.array_equal(got, want)
-    finally:
-        gated.release.set()
-        for c in clients:
-            c.close()
-        server.close()
-
-
-def _raw_request(path: Path, payload: bytes) -> tuple[int, bytes]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(10)
-        sock.connect(str(path))
-        sock.sendall(payload)
-        status, count = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
-        body = sock.recv(count, socket.MSG_WAITALL) if status == STATUS_ERROR else b""
-        try:
-            rest = sock.recv(1)
-        except ConnectionResetError:  # closed with our unread codes in its buffer
-            rest = b""
-        assert rest == b"", "the server closes a connection that broke the protocol"
-        return status, body
-
-
-@pytest.mark.parametrize(("frames", "rows", "codes", "message"), [
-    (0, 1, [], "bad request: 0 frames"),
-    (3, 65, [0] * 21 * 65, "1..64 rows"),
-    (1, 1, [5000, 0, 0, 0, 0, 0, 0], "codes must be within 0..4095"),
-    (1, 1, [-1, 0, 0, 0, 0, 0, 0], "codes must be within 0..4095"),
-])
-def test_bad_requests_get_an_error_and_the_server_goes_on(snac: SnacModel, server_path: Path, frames: int,
-                                                          rows: int, codes: list[int], message: str) -> None:
-    server = start_server(snac, server_path)
-    try:
-        status, body = _raw_request(server_path, HEADER.pack(frames, rows) + struct.pack(f"<{len(codes)}h", *codes))
-        assert status == STATUS_ERROR and message in body.decode()
-        client = CodecClient(server_path)
-        assert len(decode_windows(client, windows_of(1))[0]) == SAMPLES_PER_FRAME, "other clients are served"
-        client.close()
-    finally:
-        server.close()
-
-
-def test_a_decode_error_is_reported_and_the_client_recovers(snac: SnacModel, server_path: Path) -> None:
-    class Failing:
-        calls = 0
-
-        def decode_codes(self, codes: np.ndarray, frames: int) -> np.ndarray:
-            Failing.calls += 1
-            if Failing.calls == 1:
-                raise ValueError("out of memory, say")
-            return snac.decode_codes(codes, frames)
-
-    server = start_server(Failing(), server_path)
-    client = CodecClient(server_path)
-    try:
-        with pytest.raises(RuntimeError, match="SNAC decode failed: out of memory"):
-            decode_windows(client, windows_of(2))
-        assert len(decode_windows(client, windows_of(2))) == 4, "the next batch reconnects and decodes"
-    finally:
-        client.close()
-        server.close()
-
-
-async def test_without_a_server_a_batch_fails_clearly_and_decoding_resumes_when_it_is_back(
-        snac: SnacModel, server_path: Path) -> None:
-    batcher = DecodeBatcher(CodecClient(server_path, timeout_s=5), max_batch=8)
-    try:
-        window = first_window(make_frames(2, seed=7))
-        with pytest.raises(RuntimeError, match=f"audio decoding failed: SNAC server at {server_path} unreachable"):
-            await batcher.decode(window)
-        server = start_server(snac, server_path)  # e.g. the engine core came back
-        try:
-            assert len(await batcher.decode(window)) == SAMPLES_PER_FRAME
-            server.close()
-            server = start_server(snac, server_path)  # restarted again: the old connection is dead
-            assert len(await batcher.decode(window)) == SAMPLES_PER_FRAME, "retried once on a new connection"
-            server.close()
-            with pytest.raises(RuntimeError, match=r"audio decoding failed: SNAC server at .* unreachable"):
-                await batcher.decode(window)  # gone for good: the retry fails too, with the reason
-            server = start_server(snac, server_path)
-        finally:
-            server.close()
-    finally:
-        batcher.close()
-
-
 def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
     settings = CodecServerSettings(socket=str(tmp_path / "s.sock"), snac_model="x", snac_dtype="bfloat16",
-                                   cuda_graphs=False, window_lengths=(2, 3), max_batch=8, decoder="windows",
-                                   max_streams=96, compile=True)
+                                   cuda_graphs=False, max_batch=8, max_streams=96, compile=True)
     env = codec_server_env(settings)
     assert CodecServerSettings.from_env(env[SERVER_ENV]) == settings
 
@@ -235,7 +60,6 @@ def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"snac_placement": "gpu"}, "snac_placement must be one of process, shared"),
     ({"snac_placement": "engine"}, "snac_placement must be one of process, shared"),
-    ({"snac_compile": True, "snac_decoder": "windows"}, "snac_compile needs snac_decoder stream"),
 ])
 def test_bad_placements_are_refused(overrides: dict[str, object], message: str) -> None:
     from gateway.config import ConfigError, from_sources
@@ -443,22 +267,38 @@ def test_a_bad_stream_fails_alone_and_its_connection_goes_on(snac_weights: Any, 
     assert not server_path.exists(), "the server removes its socket"
 
 
-async def test_each_protocol_says_so_to_a_client_of_the_other(snac: SnacModel, snac_weights: Any,
-                                                              server_path: Path) -> None:
+async def test_each_end_says_so_to_a_peer_that_does_not_speak_the_protocol(snac_weights: Any,
+                                                                           server_path: Path) -> None:
+    """A server answers a client that does not open with STREAM_HELLO with a connection error and closes; a client
+    whose server answers anything else fails its stream with what it got."""
     server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
     try:
-        with pytest.raises(RuntimeError, match="SNAC server: this SNAC server decodes streams"):
-            decode_windows(CodecClient(server_path), windows_of(1))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(server_path))
+            sock.sendall(b"SNACWIN1")
+            kind, stream_id, text = _read_message(sock)
+            assert (kind, stream_id) == (ERROR, ALL_STREAMS)
+            assert text.decode() == f"not a SNAC stream client: it began with b'SNACWIN1', not {STREAM_HELLO!r}"
+            assert _closed(sock)
     finally:
         server.close()
-    windows_server = start_server(snac, server_path)
+
+    async def answer_otherwise(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(len(STREAM_HELLO))
+        writer.write(b"HELLO!!!")
+        await writer.drain()
+        writer.close()
+
+    other = await asyncio.start_unix_server(answer_otherwise, str(server_path))
     client = CodecStreamClient(server_path)
     try:
-        with pytest.raises(RuntimeError, match=r"does not serve streams .*bad request"):
+        with pytest.raises(RuntimeError, match=r"does not serve SNAC streams: it answered b'HELLO!!!'"):
             await decode_stream(client, make_frames(3, seed=1))
     finally:
         client.close()
-        windows_server.close()
+        other.close()
+        await other.wait_closed()
 
 
 async def test_a_stopped_server_fails_open_streams_and_the_next_stream_works_once_it_is_back(
@@ -488,9 +328,8 @@ async def test_a_stopped_server_fails_open_streams_and_the_next_stream_works_onc
 async def test_the_synthesizer_speaks_through_the_shared_stream_decoder(synthesizer: Synthesizer, snac_weights: Any,
                                                                        server_path: Path) -> None:
     config = dataclasses.replace(synthesizer.config, snac_socket=str(server_path))
-    assert uses_stream_decoder(config) and not uses_stream_decoder(dataclasses.replace(config, snac_decoder="windows"))
     decoder = Synthesizer.load(config).decoder
-    assert isinstance(decoder, CodecStreamClient), "snac_socket with snac_decoder stream: the shared stream decoder"
+    assert isinstance(decoder, CodecStreamClient), "snac_socket: a client of the shared stream decoder"
     remote = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, decoder)
     assert synthesizer.engine.ready and not remote.ready, "not ready while the SNAC process does not listen"
     waiting = asyncio.create_task(remote.wait_for_decoder())

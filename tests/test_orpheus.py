@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from gateway.orpheus import (
@@ -18,7 +17,6 @@ from gateway.orpheus import (
     sentence_token_cap,
     split_sentences,
     voices_for_model,
-    windows_to_layer_codes,
 )
 
 
@@ -105,16 +103,6 @@ def test_sentence_token_cap_is_whole_frames_within_max_tokens() -> None:
     assert sentence_token_cap(1, 1.0, 2400) == 7, "at least one frame"
     assert sentence_token_cap(10_000, 6.0, 2400) == 2394, "whole frames under max_tokens"
     assert sentence_token_cap(70, 0.0, 140) == 140
-
-
-def test_layer_codes_of_a_batch_are_the_layers_of_each_window_in_a_row() -> None:
-    windows = [[(0, 1, 2, 3, 4, 5, 6), (10, 11, 12, 13, 14, 15, 16)],
-               [(20, 21, 22, 23, 24, 25, 26), (30, 31, 32, 33, 34, 35, 36)]]
-    codes = windows_to_layer_codes(windows)
-    assert codes.shape == (2, 14) and codes.dtype == np.int64
-    for row, frames in zip(codes, windows, strict=True):
-        l0, l1, l2 = frames_to_layers(frames)
-        assert row.tolist() == l0 + l1 + l2
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,11 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from aiortc import RTCSessionDescription
 
@@ -29,9 +30,9 @@ from gateway.edge.state import GatewayState
 from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
 from gateway.rtc.session import ProtocolError
 from gateway.service.admission import AT_CAPACITY, Admission, CapacityError, TokenBucket
-from gateway.speech import codec
-from gateway.speech.codec import DecodeWindow
 from gateway.speech.engine import ENGINE_RETRY_AFTER_S, EngineState
+from gateway.speech.snac_stream import StreamHandle
+from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import (
     EVENT_TIMEOUT_S,
@@ -508,64 +509,69 @@ FAULTY_UTTERANCE: contextvars.ContextVar[bool] = contextvars.ContextVar("faulty_
 
 @needs_engine
 async def test_snac_decode_failure_fails_that_utterance_only(
-        test_config: GatewayConfig, windows_synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SNAC model raises for one utterance's windows: it gets an error event; a concurrent one finishes."""
+        test_config: GatewayConfig, synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SNAC raises whenever it decodes one utterance's stream: that utterance gets an error event, a concurrent one
+    finishes, and the decoder goes on (the same session speaks again)."""
     faulty_voice = "leah"
-    decoder = windows_synthesizer.decoder
-    marked: list[DecodeWindow] = []  # held, so their ids stay unique while the test runs
-    marked_ids: set[int] = set()
-    real_utterance, real_decode_many = windows_synthesizer.utterance, decoder.decode_many
-    real_decode_group, real_decode_windows = decoder._decode_group, codec.decode_windows
+    decoder = synthesizer.decoder
+    assert isinstance(decoder, StreamDecoder)
+    snac = decoder.snac
+    faulty: list[DecodeStream] = []  # the streams opened for the faulty utterance (appended on the event loop)
+    failed: list[int] = []  # faulty streams in each call the injected fault failed
+    real_utterance, real_open = synthesizer.utterance, decoder.open
 
     def utterance(text: Any, voice: str | None = None, **kw: Any) -> AsyncIterator[Any]:
         async def tagged() -> AsyncIterator[Any]:
-            FAULTY_UTTERANCE.set(voice == faulty_voice)  # copied into the tasks that decode its windows
+            FAULTY_UTTERANCE.set(voice == faulty_voice)  # copied into the tasks that open its decode streams
             async with contextlib.aclosing(real_utterance(text, voice, **kw)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         return tagged()
 
-    async def decode_many(windows: list[DecodeWindow]) -> Any:
+    def open_stream(lead_s: Callable[[], float], lookahead: int = 1) -> DecodeStream:
+        stream = real_open(lead_s, lookahead)
         if FAULTY_UTTERANCE.get():
-            marked.extend(windows)
-            marked_ids.update(id(w) for w in windows)
-        return await real_decode_many(windows)
+            faulty.append(stream)
+        return stream
 
-    def decode_windows(model: Any, windows: list[DecodeWindow]) -> Any:
-        if any(id(w) in marked_ids for w in windows):
-            raise RuntimeError("injected SNAC fault")
-        return real_decode_windows(model, windows)
+    def failing_for_the_faulty(decode: Callable[..., list[np.ndarray]]) -> Callable[..., list[np.ndarray]]:
+        """SNAC's batched `decode` (worker thread) raising for the faulty streams only: they fail in calls of their
+        own (a mixed call decodes the others and leaves the faulty ones for a later call), so the fault hits one
+        utterance."""
+        def run(handles: Sequence[StreamHandle], *args: Any, **kwargs: Any) -> list[np.ndarray]:
+            bad = {id(stream.handle) for stream in faulty if stream.handle is not None}
+            hit = [h for h in handles if id(h) in bad]
+            if not hit:
+                return decode(handles, *args, **kwargs)
+            if len(hit) == len(handles):
+                failed.append(len(hit))
+                raise RuntimeError("injected SNAC fault")
+            audio = iter(decode([h for h in handles if id(h) not in bad], *args, **kwargs))
+            return [np.zeros(0, dtype=np.int16) if id(h) in bad else next(audio) for h in handles]
+        return run
 
-    def decode_group(length: int, jobs: list[Any]) -> None:
-        # Keep the faulty windows in batches of their own, so the injected fault hits one utterance only.
-        healthy = [j for j in jobs if id(j.window) not in marked_ids]
-        faulty = [j for j in jobs if id(j.window) in marked_ids]
-        for group in (healthy, faulty):
-            if group:
-                real_decode_group(length, group)
-
-    monkeypatch.setattr(windows_synthesizer, "utterance", utterance)
-    monkeypatch.setattr(decoder, "decode_many", decode_many)
-    monkeypatch.setattr(decoder, "_decode_group", decode_group)
-    monkeypatch.setattr(codec, "decode_windows", decode_windows)
-    async with running(test_config, windows_synthesizer) as (base, gateway):
-        healthy, faulty = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
-        await asyncio.gather(healthy.connect(), faulty.connect())
+    monkeypatch.setattr(synthesizer, "utterance", utterance)
+    monkeypatch.setattr(decoder, "open", open_stream)
+    monkeypatch.setattr(snac, "step_batch", failing_for_the_faulty(snac.step_batch))
+    monkeypatch.setattr(snac, "bridge", failing_for_the_faulty(snac.bridge))
+    async with running(test_config, synthesizer) as (base, gateway):
+        healthy, faulty_peer = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
+        await asyncio.gather(healthy.connect(), faulty_peer.connect())
         try:
             healthy.speak("ok", "This sentence plays. And so does this one.")
-            faulty.speak("broken", "This one loses its decoder.", voice=faulty_voice)
-            error = await faulty.wait_event("error", "broken", timeout=EVENT_TIMEOUT_S)
+            faulty_peer.speak("broken", "This one loses its decoder.", voice=faulty_voice)
+            error = await faulty_peer.wait_event("error", "broken", timeout=EVENT_TIMEOUT_S)
             assert error["code"] == "synthesis_failed" and "decod" in error["message"]
             await healthy.wait_event("done", "ok", timeout=EVENT_TIMEOUT_S)
-            assert not healthy.find("error") and not faulty.find("done", "broken")
-            assert marked, "the fault was injected"
-            marked_ids.clear()
-            faulty.speak("again", "The decoder works again.")
-            await faulty.wait_event("done", "again", timeout=EVENT_TIMEOUT_S)
-            await wait_until(lambda: windows_synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
+            assert not healthy.find("error") and not faulty_peer.find("done", "broken")
+            assert failed, "the fault was injected"
+            faulty_peer.speak("again", "The decoder works again.")
+            await faulty_peer.wait_event("done", "again", timeout=EVENT_TIMEOUT_S)
+            await wait_until(lambda: synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
                              timeout=CLEANUP_TIMEOUT_S)
+            await wait_until(lambda: not decoder._streams, timeout=CLEANUP_TIMEOUT_S)  # every slot given back
         finally:
-            await asyncio.gather(healthy.close(), faulty.close())
+            await asyncio.gather(healthy.close(), faulty_peer.close())
 
 
 @needs_engine

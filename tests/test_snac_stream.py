@@ -19,12 +19,14 @@ import torch
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
 from gateway.speech.snac_stream import (
+    GPU_SNAC_DTYPE,
     MAX_HEAD_FRAMES,
     OPEN_END,
     StreamHandle,
     StreamingSnac,
     position_noise,
     reference_decode,
+    snac_device_and_dtype,
 )
 from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
 from tests.support import decoded_audio, make_frames, wait_until
@@ -151,8 +153,8 @@ def test_receptive_field_of_snac_is_the_decoders_delay(snac_model: torch.nn.Modu
 
 
 def test_windows_need_three_frames_of_context(snac_model: torch.nn.Module, utterances: dict[int, Utterance]) -> None:
-    """The sensitivity check: today's 1/1 windows (and 2/2) are not exact, 3/3 windows are; the streamed
-    decode is (test_exact_for_every_length)."""
+    """The sensitivity check: 1/1 windows (the gateway's old decoder) and 2/2 are not exact, 3/3 windows are;
+    the streamed decode is (test_exact_for_every_length)."""
     utt = utterances[9]
     target = slice(4 * SAMPLES_PER_FRAME, 5 * SAMPLES_PER_FRAME)  # frame 4
     errors = {}
@@ -185,7 +187,7 @@ def test_decoded_frames_per_new_frame(streamed: dict[int, Utterance], decoder: S
     long = streamed[40].handle
     assert long is not None
     assert long.stepped == 43
-    assert long.decoded_per_new_frame <= 1.2  # 1.075; today's 3-frame windows: ~2.9
+    assert long.decoded_per_new_frame <= 1.2  # 1.075; sliding 3-frame windows: ~2.9
     for n, utt in streamed.items():
         assert utt.handle is not None and utt.handle.stepped == n + 3
 
@@ -347,6 +349,19 @@ def test_half_precision_snr(snac_model: torch.nn.Module, utterances: dict[int, U
     audio = decode_alone(snac, utt.frames, utt.seed)
     assert audio.shape == utt.reference.shape
     assert snr_db(utt.reference, audio) > bound
+
+
+def test_snac_runs_in_bfloat16_on_a_gpu_and_float32_on_cpu_unless_told() -> None:
+    """`--snac-dtype auto` (the default): bfloat16 where SNAC runs on CUDA (measured faster with more streams real
+    time), float32 on CPU; a named dtype is kept. `--snac-device auto` is CUDA only when there is one."""
+    from gateway.config import from_sources
+
+    assert from_sources(env={}).snac_dtype == "auto" and GPU_SNAC_DTYPE == "bfloat16"
+    assert snac_device_and_dtype("cuda:1", "auto") == ("cuda:1", "bfloat16")
+    assert snac_device_and_dtype("cpu", "auto") == ("cpu", "float32")
+    assert snac_device_and_dtype("cuda", "float32") == ("cuda", "float32")
+    assert snac_device_and_dtype("auto", "auto") == (("cuda", "bfloat16") if torch.cuda.is_available()
+                                                     else ("cpu", "float32"))
 
 
 # --- fast start: the bridge -----------------------------------------------------------------------------------

@@ -65,8 +65,8 @@ class Snapshot:
 def _release_free_memory() -> None:
     """Collect garbage and hand freed heap back to the OS, so RSS measures live memory.
 
-    Without the trim, RSS keeps the allocator's high-water mark: SNAC decoding on CPU alone takes ~1 GB more
-    for a batch of 25 windows than for 1, and glibc keeps it after the batch is gone (measured).
+    Without the trim, RSS keeps the allocator's high-water mark: SNAC decoding on CPU alone took ~1 GB more
+    for a batch of 25 three-frame windows than for 1, and glibc keeps it after the batch is gone (measured).
     """
     gc.collect()
     libc_name = ctypes.util.find_library("c")

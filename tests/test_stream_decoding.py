@@ -1,6 +1,6 @@
-"""The exact streaming decoder as the synthesizer uses it (the default `snac_decoder stream`): every sentence's
-audio equals a full SNAC decode of the frames the engine made (after the fast start's bridge and its crossfade), every
-frame comes out once, sentences share launches, and cancelled sentences give their slots back."""
+"""The exact streaming decoder as the synthesizer uses it in its own process: every sentence's audio equals a full
+SNAC decode of the frames the engine made (after the fast start's bridge and its crossfade), every frame comes out
+once, sentences share launches, and cancelled sentences give their slots back."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from snac import SNAC
 
 from gateway.orpheus import SAMPLES_PER_FRAME
 from gateway.speech.snac_stream import reference_decode
-from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream
+from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from tests.support import wait_until
 
@@ -23,8 +23,8 @@ INT16_MAX = 32767
 
 async def test_sentences_decode_exactly_and_every_frame_once(synthesizer: Synthesizer, tiny_snac_dir: Any,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    streams = synthesizer.streams
-    assert streams is not None, "the streaming decoder is the default"
+    streams = synthesizer.decoder
+    assert isinstance(streams, StreamDecoder), "without --snac-socket the decoder runs in this process"
     pushed: dict[int, tuple[DecodeStream, list[Any]]] = {}
     real_push = streams.push
 
@@ -53,8 +53,8 @@ async def test_sentences_decode_exactly_and_every_frame_once(synthesizer: Synthe
 
 
 async def test_concurrent_sentences_share_launches_and_give_slots_back(synthesizer: Synthesizer) -> None:
-    streams = synthesizer.streams
-    assert streams is not None
+    streams = synthesizer.decoder
+    assert isinstance(streams, StreamDecoder)
     free_before = len(streams.snac._free)
     launches = streams.stats.batches
     texts = [f"Stream number {i} speaks now." for i in range(12)]

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.orpheus import SAMPLES_PER_FRAME, build_prompt, sentence_token_cap
-from gateway.speech.codec import DecodeWindow
+from gateway.orpheus import SAMPLES_PER_FRAME, Frame, build_prompt, sentence_token_cap
 from gateway.speech.engine import EngineDeadError, EngineState
+from gateway.speech.stream_decoder import DecodeStream
 from gateway.speech.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
 from tests.support import wait_until
 
@@ -83,6 +83,11 @@ async def test_sixteen_concurrent_streams_complete(synthesizer: Synthesizer) -> 
     assert stats.batches < stats.windows, "streams were decoded together, several per launch"
 
 
+def sentence_tasks() -> list[asyncio.Task[Any]]:
+    names = ("Synthesizer._sentence", "Synthesizer._decode_stream", "Synthesizer._feed")
+    return [t for t in asyncio.all_tasks() if not t.done() and t.get_coro().__qualname__ in names]  # type: ignore[union-attr]
+
+
 async def test_cancel_mid_stream_aborts_engine_request(synthesizer: Synthesizer) -> None:
     stream = synthesizer.utterance("A long sentence that we will interrupt.", "tara", max_tokens=700, seed=11)
     first = await anext(stream)
@@ -90,6 +95,7 @@ async def test_cancel_mid_stream_aborts_engine_request(synthesizer: Synthesizer)
     assert synthesizer.engine.in_flight == 1
     await stream.aclose()
     assert synthesizer.engine.in_flight == 0
+    assert sentence_tasks() == [], "no generation or decoding task left behind"
     await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
 
 
@@ -107,110 +113,30 @@ async def test_cancelled_task_aborts_engine_request(synthesizer: Synthesizer) ->
     await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
 
 
-class SlowDecoder:
-    """The shared SNAC decoder with every round coming back late, as from a busy GPU; records each round."""
+@pytest.mark.parametrize(("fast_start_ms", "first_lookahead"), [(0.0, 1), (1e6, 0)])
+async def test_first_audio_skips_its_lookahead_only_when_the_next_frames_come_in_time(
+        synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch, fast_start_ms: float, first_lookahead: int) -> None:
+    """A sentence's first audio comes from its first frame alone (lookahead 0) only when the token rate says frames
+    2 and 3 arrive within decode_fast_start_ms (forced here both ways: 0 = never, 1e6 ms = always), else once its
+    lookahead frame is in; every frame still plays once."""
+    config = dataclasses.replace(synthesizer.config, decode_fast_start_ms=fast_start_ms)
+    synth = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, synthesizer.decoder)
+    lookahead_at_first_push: dict[DecodeStream, int] = {}
+    real_push = synthesizer.decoder.push
 
-    def __init__(self, decoder: Any, delay_s: float) -> None:
-        self.decoder = decoder
-        self.delay_s = delay_s
-        self.rounds: list[list[int]] = []  # new frames of each window, per round
-        self.lengths: list[int] = []  # frames of each window, in order
-        self.in_flight = 0
+    def push(stream: DecodeStream, frames: Sequence[Frame]) -> None:
+        lookahead_at_first_push.setdefault(stream, stream.lookahead)
+        real_push(stream, frames)
 
-    async def decode_many(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
-        self.rounds.append([w.keep_count for w in windows])
-        self.lengths += [w.length for w in windows]
-        self.in_flight += 1
-        try:
-            await asyncio.sleep(self.delay_s)
-            return await self.decoder.decode_many(windows)
-        finally:
-            self.in_flight -= 1
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.decoder, name)
-
-
-def sentence_tasks() -> list[asyncio.Task[Any]]:
-    names = ("Synthesizer._sentence", "Synthesizer._decode", "Synthesizer._feed")
-    return [t for t in asyncio.all_tasks() if not t.done() and t.get_coro().__qualname__ in names]  # type: ignore[union-attr]
-
-
-async def test_adaptive_hop_emits_every_frame_once_and_cancels_cleanly(windows_synthesizer: Synthesizer) -> None:
-    """A slow decoder: frames pile up during each round and the next window takes them all (up to max hop);
-    still exactly frames * 2048 samples, and a cancel mid-round leaves no task and no engine request behind."""
-    windows = windows_synthesizer
-    slow = SlowDecoder(windows.decoder, delay_s=0.25)
-    synth = Synthesizer(windows.config, windows.engine, windows.tokenizer, slow)  # type: ignore[arg-type]
-    max_hop = synth.config.decode_max_hop_frames
-    for seed in range(20, 40):  # the tiny model stops at random: find an utterance of some length
-        slow.rounds.clear()
-        stats = UtteranceStats()
-        pcm = [c.pcm async for c in synth.utterance("Hello there, slowly.", "tara", seed=seed, stats=stats)]
-        assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(p) for p in pcm)
-        hops = [h for r in slow.rounds for h in r]
-        assert sum(hops) == stats.frames, "every frame decoded exactly once"
-        assert max(hops) <= max_hop
-        if stats.frames >= 8:
-            break
-    assert stats.frames >= 8
-    assert hops[0] == 1, "first audio from a one-frame window"
-    assert max(hops) > 1, "windows grew while the decoder was busy"
-    assert sentence_tasks() == []
-
-    stream = synth.utterance("A long sentence that we will interrupt.", "tara", max_tokens=700, seed=11)
-    await anext(stream)
-    await wait_until(lambda: slow.in_flight == 1)  # a round is being decoded
-    await stream.aclose()
-    assert windows_synthesizer.engine.in_flight == 0
-    assert sentence_tasks() == []
-    await wait_until(lambda: slow.in_flight == 0, timeout=2)
-    await wait_until(lambda: windows_synthesizer.engine.unfinished_requests() == 0)
-
-
-async def test_a_stream_ahead_of_real_time_decodes_whole_windows(windows_synthesizer: Synthesizer,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Far enough ahead (the lead is forced: the tiny model on 2 cores is slower than real time), every window
-    after the first waits for max_hop new frames; all frames still come out exactly once."""
-    windows = windows_synthesizer
-    spy = SlowDecoder(windows.decoder, delay_s=0.0)
-    synth = Synthesizer(windows.config, windows.engine, windows.tokenizer, spy)  # type: ignore[arg-type]
-    monkeypatch.setattr(Synthesizer, "_lead_s", staticmethod(lambda stats: 60.0))
-    max_hop = synth.config.decode_max_hop_frames
-    for seed in range(20, 40):
-        spy.rounds.clear()
-        stats = UtteranceStats()
-        pcm = [c.pcm async for c in synth.utterance("Hello there, patiently.", "tara", seed=seed, stats=stats)]
-        assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(p) for p in pcm)
-        hops = [h for r in spy.rounds for h in r]
-        assert sum(hops) == stats.frames
-        if stats.frames >= 2 * max_hop + 2:
-            break
-    assert stats.frames >= 2 * max_hop + 2
-    assert hops[0] == 1, "first audio still from a one-frame window"
-    assert all(h == max_hop for h in hops[1:-2]), f"whole windows in between: {hops}"
-    assert sentence_tasks() == []
-
-
-@pytest.mark.parametrize(("fast_start_ms", "first_length"), [(0.0, 2), (1e6, 1)])
-async def test_first_frame_starts_early_only_when_the_next_frames_come_in_time(
-        windows_synthesizer: Synthesizer, fast_start_ms: float, first_length: int) -> None:
-    """The first window skips its lookahead frame only when the token rate says frames 2 and 3 arrive within
-    decode_fast_start_ms (forced here both ways: 0 = never, 1e6 ms = always); every frame still plays once."""
-    windows = windows_synthesizer
-    spy = SlowDecoder(windows.decoder, delay_s=0.0)
-    config = dataclasses.replace(windows_synthesizer.config, decode_fast_start_ms=fast_start_ms)
-    synth = Synthesizer(config, windows_synthesizer.engine, windows_synthesizer.tokenizer, spy)  # type: ignore[arg-type]
-    for seed in range(20, 40):
-        spy.lengths.clear()
-        spy.rounds.clear()
+    monkeypatch.setattr(synthesizer.decoder, "push", push)
+    for seed in range(20, 40):  # the tiny model stops at random: find an utterance of more than one frame
+        lookahead_at_first_push.clear()
         stats = UtteranceStats()
         pcm = [c.pcm async for c in synth.utterance("Hello there.", "tara", seed=seed, stats=stats)]
-        if stats.frames >= 3:
+        if stats.frames >= 2:
             break
-    assert stats.frames >= 3
-    assert spy.lengths[0] == first_length and spy.rounds[0] == [1]
-    assert sum(h for r in spy.rounds for h in r) == stats.frames
+    assert stats.frames >= 2
+    assert list(lookahead_at_first_push.values()) == [first_lookahead]
     assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(p) for p in pcm)
 
 

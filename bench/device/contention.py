@@ -3,9 +3,9 @@
 The GPU time-slices between processes: SNAC in the gateway process and the model in vLLM's engine-core process
 never run at once. Kernels of one process on different streams can. This measures the difference before any
 code moves: vLLM's engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), and a fixed SNAC load
-(the windows of N real-time streams: 3-frame windows, one new frame per stream every 85 ms) runs
+(the 3-frame windows of N real-time streams, `windows_baseline`: one new frame per stream every 85 ms) runs
   - nowhere (alone), - in a thread of this process on its own CUDA stream (same context),
-  - in a child process (own context, as the gateway runs it today).
+  - in a child process (own context, as a gateway process or the shared SNAC process does).
 Usage: python3 bench/device/contention.py MODEL_DIR OUT [streams,...] [tokens]
 Writes OUT/contention.json and prints a table.
 """
@@ -35,7 +35,7 @@ class SnacLoad:
     def __init__(self, snac_dir: str) -> None:
         import torch
 
-        from gateway.speech.codec import SnacModel
+        from bench.device.windows_baseline import SnacModel
 
         self.torch = torch
         self.model = SnacModel.load(snac_dir, "cuda")

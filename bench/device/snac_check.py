@@ -1,4 +1,6 @@
-"""GPU preflight for the gateway's SNAC path: CUDA-graphed decoding must equal eager decoding, and how fast.
+"""GPU preflight of SNAC's CUDA graphs on the windows baseline (`windows_baseline.SnacModel`, the gateway's decoder
+before the exact stream): CUDA-graphed decoding must equal eager decoding, and how fast, in float32 and half
+precision. The exact stream's own graphs are checked against `SNAC.decode` by `snac_stream_bench.py` (`check`).
 
 Run on the device after call 1 built the model: `python3 bench/device/snac_check.py /tmp/orpheus-struct/snac OUT`.
 Writes OUT/snac_check.json; exit status 1 if a graphed batch differs from eager beyond the tolerance (then
@@ -16,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gateway.speech.codec import SnacModel
+from bench.device.windows_baseline import SnacModel
 
-WINDOW_FRAMES = (2, 3, 4, 5, 6)  # every window length of the defaults: context 1, lookahead 1, hop 1..4
+WINDOW_FRAMES = (2, 3, 4, 5, 6)  # every window length the old decoder used: context 1, lookahead 1, hop 1..4
 CHECK_BATCHES = (1, 5, 64, 200, 256)
 TIME_BATCHES = (1, 16, 64, 128, 256)
 MAX_BATCH = 256
@@ -30,7 +32,7 @@ REPEATS = 20
 
 
 def codes_for(batch: int, frames: int) -> np.ndarray:
-    """Random rows of `windows_to_layer_codes`: [batch, 7 * frames]."""
+    """Random window rows (`windows_baseline`): [batch, 7 * frames]."""
     return np.random.default_rng(batch * 100 + frames).integers(0, 4096, (batch, 7 * frames), dtype=np.int64)
 
 
@@ -59,13 +61,13 @@ def main() -> int:
     snac = SnacModel.load(snac_dir, "cuda")
     _silence_noise(snac.model)
     t0 = time.perf_counter()
-    snac.capture_graphs(WINDOW_FRAMES, MAX_BATCH)  # the gateway's own path: one memory pool for all lengths
+    snac.capture_graphs(WINDOW_FRAMES, MAX_BATCH)  # one memory pool for all lengths
     graphs = {g.frames: g for g in snac._graphed}
     assert sorted(graphs) == sorted(WINDOW_FRAMES), f"captured {sorted(graphs)}"
     report: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "capture_s": round(time.perf_counter() - t0, 2),
                                  "max_abs_diff": {}, "ms_per_batch": {}}
     ok = True
-    # The gateway's calls, host copies included: codes in from host memory, int16 PCM back in host memory.
+    # Whole calls, host copies included: codes in from host memory, int16 PCM back in host memory.
     for frames in graphs:
         for batch in CHECK_BATCHES:
             codes = codes_for(batch, frames)

@@ -5,7 +5,8 @@
 For each variant, `--steps` launches for B streams, run eagerly (the kernels the CUDA graphs replay, without the
 graph's launch savings), each kernel's device time summed per step and grouped into kinds by kernel name:
 
-- windows: one 3-frame window per stream (`SnacModel`, snac's own decoder), the windows decoder's step;
+- windows: one 3-frame window per stream (`windows_baseline.SnacModel`, snac's own decoder), the step of the
+  gateway's old windows decoder (the baseline);
 - stream: the exact decoder's unmasked step (`StreamingSnac`: gather, decode, scatter, PCM);
 - stream-compiled: the same through torch.compile (`StreamingSnac(compile=True)`).
 
@@ -29,9 +30,9 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.device.windows_baseline import SnacModel
 from gateway.devtools.devmodels import build_test_snac
 from gateway.orpheus import SLOTS_PER_FRAME
-from gateway.speech.codec import SnacModel
 from gateway.speech.snac_stream import OPEN_END, StreamingSnac
 
 WINDOW_FRAMES = 3

@@ -1,10 +1,10 @@
-"""GPU cost of SNAC decoding per stream: today's 3-frame windows vs the exact streaming decoder.
+"""GPU cost of SNAC decoding per stream: the old 3-frame windows vs the exact streaming decoder.
 
 For each batch size B (streams decoded together) and dtype, one call advances every stream by one Orpheus frame
 (2048 samples, 85.3 ms of audio):
 
-- windows: `gateway.speech.codec.SnacModel` with CUDA graphs on 3-frame windows (1 context + 1 new + 1
-  lookahead), what the gateway runs today;
+- windows: `windows_baseline.SnacModel` with CUDA graphs on 3-frame windows (1 context + 1 new + 1
+  lookahead), what the gateway ran before the exact stream (the baseline);
 - stream: `gateway.speech.snac_stream.StreamingSnac` with CUDA graphs (one frame per stream per step);
 - stream-compiled (`--stream-variants eager,compiled`): the same with its step through torch.compile.
 
@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.device.windows_baseline import SnacModel
 from gateway.devtools.devmodels import build_test_snac
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME
-from gateway.speech.codec import SnacModel
 from gateway.speech.snac_stream import OPEN_END, StreamingSnac, reference_decode
 
 WINDOW_FRAMES = 3
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = w["amortized_gpu_ms_per_audio_s"] / r["amortized_gpu_ms_per_audio_s"]
                 r["windows_over_stream"] = round(ratio, 2)
         w32 = by_key.get(("windows", "float32", r["batch"]))
-        if w32:  # the issue's yardstick: today's decoder, windows in float32
+        if w32:  # the issue's yardstick: the old decoder, windows in float32
             cost = r["amortized_gpu_ms_per_audio_s"] / w32["amortized_gpu_ms_per_audio_s"]
             r["cost_vs_windows_fp32"] = round(cost, 3)
     header = (f"{'method':15} {'dtype':9} {'B':>4} {'gpu_ms':>9} {'masked':>9} {'call_ms':>9} {'ms/audio-s':>11} "

@@ -3,7 +3,7 @@ and restarts it): the codec server its settings describe (`gateway.speech.codec_
 ORPHEUS_GATEWAY_SNAC_SERVER), and that decoder's metrics (`SnacMetrics`: passes, batch sizes, pass durations) on a
 Unix socket beside the codec socket (`metrics_socket_path`). SNAC is the pipeline's main GPU cost, so its batching
 must be visible where the decoding happens: the workers' `/metrics` gathers these with their own, labelled
-`worker="snac"`. (The windows server, `--snac-decoder windows`, reports no passes.)
+`worker="snac"`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.cluster.lifecycle import until_stop_signal
 from gateway.service.metrics import CONTENT_TYPE, METRICS_PATH, SnacMetrics
-from gateway.speech.codec_server import SERVER_ENV, CodecServerSettings, StreamCodecServer, load_server
+from gateway.speech.codec_server import SERVER_ENV, CodecServerSettings, StreamCodecServer
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,8 @@ def metrics_socket_path(snac_socket: str | Path) -> Path:
 async def serve(settings: CodecServerSettings) -> None:
     """Decode for every worker and answer `GET /metrics` until SIGTERM or SIGINT."""
     metrics = SnacMetrics(CollectorRegistry())
-    server = await asyncio.to_thread(load_server, settings)  # loads SNAC and captures its graphs: seconds
-    if isinstance(server, StreamCodecServer):
-        server.decoder.on_batch = metrics.observe_decode_batch
+    server = await asyncio.to_thread(StreamCodecServer.load, settings)  # loads SNAC, captures its graphs: seconds
+    server.decoder.on_batch = metrics.observe_decode_batch
     server.start()
 
     async def render(_: web.Request) -> web.Response:

@@ -31,18 +31,18 @@ class SnacMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = self.registry = registry
-        self.snac_batch_size = Histogram("orpheus_snac_batch_size", "Streams (or windows) per SNAC forward pass.",
+        self.snac_batch_size = Histogram("orpheus_snac_batch_size", "Streams per SNAC step.",
                                          buckets=BATCH_BUCKETS, registry=r)
-        self.snac_batch_seconds = Histogram("orpheus_snac_batch_seconds", "Duration of one SNAC pass.",
+        self.snac_batch_seconds = Histogram("orpheus_snac_batch_seconds", "Duration of one SNAC step.",
                                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.snac_windows_total = Counter("orpheus_snac_windows_total", "Windows SNAC decoded, by window length "
-                                          "in frames (the exact stream decoder: 1, one frame per stream and "
-                                          "pass).", ["frames"], registry=r)
-        self.snac_new_frames_total = Counter("orpheus_snac_new_frames_total", "Audio frames SNAC emitted; frames "
-                                             "decoded (sum of windows x length) / this = recomputation.", registry=r)
+        self.snac_windows_total = Counter("orpheus_snac_windows_total", "Stream-steps SNAC ran, by frames per "
+                                          "stream and step (1: the exact decoder steps each stream one frame).",
+                                          ["frames"], registry=r)
+        self.snac_new_frames_total = Counter("orpheus_snac_new_frames_total", "Audio frames SNAC emitted.",
+                                             registry=r)
 
     def observe_decode_batch(self, size: int, seconds: float, window_frames: int, new_frames: int) -> None:
-        """Called from the SNAC worker thread after each pass (`size` windows of `window_frames` frames each);
+        """Called from the SNAC worker thread after each step (`size` streams of `window_frames` frames each);
         prometheus-client metrics are thread safe."""
         self.snac_batch_size.observe(size)
         self.snac_batch_seconds.observe(seconds)

@@ -1,7 +1,8 @@
 """Speech synthesis: text -> prompt ids -> the shared vLLM engine's token ids -> SNAC codes -> 24 kHz PCM.
 
 Owns: the engine lifecycle (`engine.OrpheusEngine` in-process, `remote.RemoteEngine` over `vllm serve`), SNAC
-decoding (`codec`: windows and the batched decoder; `codec_server`: one decoder shared over a Unix socket) and
+decoding (`snac_stream`: the exact streaming decoder and its fast-start bridge; `stream_decoder`: its worker thread,
+batching every sentence of a process; `codec_server`: one decoder shared over a Unix socket) and
 `synthesizer.Synthesizer`, the one interface every front end uses, with its request rules (`check_text`,
 `resolve_voice`).
 May import: `gateway.orpheus` (model facts), `gateway.config`, vllm, torch, snac, numpy, aiohttp (the remote

@@ -8,19 +8,13 @@ started by the supervisor; measured: fewer underruns than a decoder per worker).
 engine-core process instead (a vLLM plugin, sharing the model's CUDA context) measured slower at every load on an
 H200 and was removed: the GPU runs the sum of both workloads wherever SNAC is placed (docs/benchmarks.md).
 
-A server speaks one of two protocols, as its settings' `decoder` (the gateway's `snac_decoder`) says.
+A server (`StreamCodecServer`) runs ONE exact streaming decoder (`stream_decoder.StreamDecoder`) for all its
+connections, so the sentences of every worker share its batched steps. A client (`CodecStreamClient`, one per
+gateway process) keeps one connection and multiplexes its sentences on it by a u32 stream id of its choosing.
 
-Windows (`CodecServer`, `CodecClient`; `snac_decoder windows`). Little-endian, one request in flight per connection:
-  request  u32 frames, u32 rows, then rows x 7*frames int16 codes (rows of `orpheus.windows_to_layer_codes`)
-  reply    u32 status 0, u32 rows, then rows x frames*2048 int16 PCM
-           u32 status 1, u32 n, then n bytes of UTF-8 error text
-
-Streams (`StreamCodecServer`, `CodecStreamClient`; `snac_decoder stream`, the default): the exact streaming decoder
-(`stream_decoder.StreamDecoder`), ONE for all connections, so the sentences of every worker share its batched steps.
-A client (one per gateway process) keeps one connection and multiplexes its sentences on it by a u32 stream id of
-its choosing. Both ends first send the 8 bytes STREAM_HELLO; a server answers any other start with a windows error
-reply (a windows client shows why) and closes; a client that does not get them back (a windows server) fails its
-streams. Then messages, little-endian: u32 kind, u32 stream id, u32 payload bytes (<= MAX_MESSAGE_BYTES), payload:
+The protocol. Both ends first send the 8 bytes STREAM_HELLO; a server answers any other start with a connection
+error (ERROR on ALL_STREAMS, below) and closes; a client that does not get them back fails its streams. Then
+messages, little-endian: u32 kind, u32 stream id, u32 payload bytes (<= MAX_MESSAGE_BYTES), payload:
   client  OPEN 1     -
           PUSH 2     i32 lead_ms, u32 lookahead (0..7), then n x 7 int16 codes (1 <= n <= MAX_PUSH_FRAMES)
           FINISH 3   i32 lead_ms
@@ -43,9 +37,6 @@ import contextlib
 import itertools
 import json
 import logging
-import queue
-import shutil
-import socket
 import struct
 import threading
 import time
@@ -56,21 +47,15 @@ from typing import Any
 
 import numpy as np
 
-from gateway.config import SNAC_DECODERS
-from gateway.orpheus import CODEBOOK_SIZE, LAYER_CODES_PER_FRAME, SAMPLE_RATE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME, Frame
-from gateway.speech.codec import DecodeStats, SnacModel, batches_by_length, drain, own_stream
-from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
+from gateway.orpheus import SAMPLE_RATE, SLOTS_PER_FRAME, Frame
+from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStats, DecodeStream, StreamDecoder
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("<II")
-STATUS_OK, STATUS_ERROR = 0, 1
-CODES_PER_FRAME = sum(LAYER_CODES_PER_FRAME)
 CLOSE_TIMEOUT_S = 10.0
-MAX_FRAMES = 64  # longest window a request may carry (the gateway's are 2-6 frames)
 SERVER_ENV = "ORPHEUS_GATEWAY_SNAC_SERVER"  # CodecServerSettings as JSON, set by the supervisor
 
-# --- the stream protocol (module docstring) ---
+# --- the protocol (module docstring) ---
 STREAM_HELLO = b"SNACSTR1"
 MESSAGE = struct.Struct("<III")  # kind, stream id, payload bytes
 OPEN, PUSH, FINISH, RELEASE, CHUNK, END, ERROR = range(1, 8)
@@ -99,226 +84,23 @@ class CodecServerSettings:
     device: str = "auto"
     snac_dtype: str = "auto"
     cuda_graphs: bool = True
-    window_lengths: tuple[int, ...] = (2, 3, 4, 5, 6)  # windows only
-    max_batch: int = 256
-    decoder: str = "stream"  # which protocol and decoder: one of SNAC_DECODERS (the gateway's snac_decoder)
-    max_streams: int = 512  # stream only: stream slots, for the sentences of all workers together
-    compile: bool = False  # stream only: the step through torch.compile (the gateway's snac_compile)
+    max_batch: int = 256  # streams per step
+    max_streams: int = 512  # stream slots, for the sentences of all workers together
+    compile: bool = False  # the step through torch.compile (the gateway's snac_compile)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_env(cls, text: str) -> CodecServerSettings:
-        values = json.loads(text)
-        values["window_lengths"] = tuple(values["window_lengths"])
-        return cls(**values)
+        return cls(**json.loads(text))
 
 
 class ProtocolError(RuntimeError):
-    """A peer sent something that is not a request or reply of this protocol."""
+    """A client sent something that is not a message of the protocol: its connection is closed."""
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytearray:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("connection closed")
-        got += n
-    return buf
-
-
-@dataclass
-class _Request:
-    conn: socket.socket
-    frames: int
-    codes: np.ndarray  # [rows, 7 * frames] int64
-
-
-class CodecServer:
-    """Decodes the requests of all connections; requests waiting together share one pass per window length.
-
-    One reader thread per connection (a handful of gateway workers), one decode thread (as `DecodeBatcher`:
-    whatever arrived while a pass ran goes into the next).
-    """
-
-    def __init__(self, model: SnacModel, path: str | Path, max_batch: int = 256) -> None:
-        self.model = model
-        self.path = Path(path)
-        self.max_batch = max_batch
-        self.batches = 0
-        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._listener: socket.socket | None = None
-        self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-
-    @classmethod
-    def load(cls, settings: CodecServerSettings) -> CodecServer:
-        return cls(load_window_model(settings), settings.socket, settings.max_batch)
-
-    def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)  # a server of an earlier engine process
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.path))
-        listener.listen()
-        self._listener = listener
-        self._threads = [threading.Thread(target=self._accept, name="snac-server-accept", daemon=True),
-                         threading.Thread(target=self._decode_loop, name="snac-server-decode", daemon=True)]
-        for thread in self._threads:
-            thread.start()
-        log.info("SNAC decoding served on %s", self.path)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._queue.put(None)
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-        with self._lock:
-            for conn in self._conns:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-        self.path.unlink(missing_ok=True)
-        for thread in self._threads:  # a decode in progress finishes first
-            thread.join(timeout=CLOSE_TIMEOUT_S)
-
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._read, args=(conn,), name="snac-server-conn", daemon=True).start()
-
-    def _read(self, conn: socket.socket) -> None:
-        try:
-            while True:
-                frames, rows = HEADER.unpack(_recv_exact(conn, HEADER.size))
-                if not (1 <= frames <= MAX_FRAMES and 1 <= rows <= self.max_batch):
-                    raise ProtocolError(f"bad request: {frames} frames x {rows} rows "
-                                        f"(1..{MAX_FRAMES} frames, 1..{self.max_batch} rows)")
-                raw = _recv_exact(conn, rows * CODES_PER_FRAME * frames * 2)
-                codes = np.frombuffer(raw, dtype="<i2").reshape(rows, CODES_PER_FRAME * frames).astype(np.int64)
-                if codes.min() < 0 or codes.max() >= CODEBOOK_SIZE:
-                    raise ProtocolError(f"codes must be within 0..{CODEBOOK_SIZE - 1}")
-                self._queue.put(_Request(conn, frames, codes))
-        except ProtocolError as exc:
-            _send_error(conn, str(exc))
-        except (ConnectionError, OSError):
-            pass
-        with self._lock:
-            self._conns.discard(conn)
-        conn.close()
-
-    def _decode_loop(self) -> None:
-        with own_stream(getattr(self.model, "device", "cpu")):
-            self._decode_requests()
-
-    def _decode_requests(self) -> None:
-        while (first := self._queue.get()) is not None:
-            waiting, closing = drain(self._queue, first)
-            for frames, group in batches_by_length(waiting, lambda r: r.frames, lambda r: len(r.codes),
-                                                   self.max_batch):
-                self._decode(frames, group)
-            if closing or self._closed.is_set():
-                return
-
-    def _decode(self, frames: int, group: list[_Request]) -> None:
-        try:
-            pcm = self.model.decode_codes(np.concatenate([r.codes for r in group]), frames)
-        except Exception as exc:  # one bad batch fails its requests, not the server
-            log.exception("SNAC decode failed for %d requests", len(group))
-            for request in group:
-                _send_error(request.conn, f"SNAC decode failed: {exc}")
-            return
-        self.batches += 1
-        at = 0
-        for request in group:
-            rows = len(request.codes)
-            with contextlib.suppress(OSError):  # a client gone meanwhile: its reader thread cleans up
-                request.conn.sendall(HEADER.pack(STATUS_OK, rows) + pcm[at:at + rows].astype("<i2").tobytes())
-            at += rows
-
-
-def _send_error(conn: socket.socket, message: str) -> None:
-    data = message.encode()
-    with contextlib.suppress(OSError):
-        conn.sendall(HEADER.pack(STATUS_ERROR, len(data)) + data)
-
-
-class CodecClient:
-    """Stands in for `SnacModel` in `DecodeBatcher`: decodes on a `CodecServer`. Blocking; one call at a time
-    (the batcher's thread). A lost connection fails that batch and is reopened by the next."""
-
-    def __init__(self, path: str | Path, timeout_s: float = 10.0, own_folder: bool = False) -> None:
-        """`own_folder`: the socket's folder was made for it alone and goes at close (the server that made the
-        socket may be killed without removing it)."""
-        self.path = str(path)
-        self.timeout_s = timeout_s
-        self.own_folder = own_folder
-        self._sock: socket.socket | None = None
-
-    def _connect(self) -> socket.socket:
-        if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout_s)
-            try:
-                sock.connect(self.path)
-            except OSError as exc:
-                sock.close()
-                raise ConnectionError(f"SNAC server at {self.path} unreachable: {exc}") from exc
-            self._sock = sock
-        return self._sock
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def release(self) -> None:
-        """Close for good (DecodeBatcher.close): the connection, and the socket's own folder if it has one."""
-        self.close()
-        if self.own_folder:
-            shutil.rmtree(Path(self.path).parent, ignore_errors=True)
-
-    def decode_codes(self, codes: np.ndarray, frames: int) -> np.ndarray:
-        """int16 PCM [rows, frames * 2048] of `codes` ([rows, 7 * frames], `windows_to_layer_codes`)."""
-        request = HEADER.pack(frames, len(codes)) + codes.astype("<i2").tobytes()
-        reused = self._sock is not None
-        try:
-            return self._exchange(request, frames)
-        except OSError:  # ConnectionError included
-            if not reused:
-                raise
-        # The connection was opened before and broke meanwhile (the server restarted): once more on a new one.
-        # Decoding is idempotent, so a request the old server may have half-processed is safe to repeat.
-        return self._exchange(request, frames)
-
-    def _exchange(self, request: bytes, frames: int) -> np.ndarray:
-        sock = self._connect()
-        try:
-            sock.sendall(request)
-            status, count = HEADER.unpack(_recv_exact(sock, HEADER.size))
-            if status != STATUS_OK:
-                raise RuntimeError(f"SNAC server: {_recv_exact(sock, count).decode(errors='replace')}")
-            raw = _recv_exact(sock, count * frames * SAMPLES_PER_FRAME * 2)
-        except (OSError, RuntimeError):
-            self.close()  # half a reply may be in the socket, or the server closed it after an error
-            raise
-        return np.frombuffer(raw, dtype="<i2").reshape(count, frames * SAMPLES_PER_FRAME)
-
-
-# --- the stream protocol: server ----------------------------------------------------------------------------
+# --- server -------------------------------------------------------------------------------------------------
 
 
 class StreamCodecServer:
@@ -429,10 +211,8 @@ class _StreamConnection:
 
     async def run(self) -> None:
         try:
-            if await self._reader.readexactly(len(STREAM_HELLO)) != STREAM_HELLO:
-                error = b"this SNAC server decodes streams (snac_decoder stream), not windows"
-                self._writer.write(HEADER.pack(STATUS_ERROR, len(error)) + error)
-                return
+            if (hello := await self._reader.readexactly(len(STREAM_HELLO))) != STREAM_HELLO:
+                raise ProtocolError(f"not a SNAC stream client: it began with {hello!r}, not {STREAM_HELLO!r}")
             self._writer.write(STREAM_HELLO)
             while True:
                 kind, stream_id, size = MESSAGE.unpack(await self._reader.readexactly(MESSAGE.size))
@@ -534,7 +314,7 @@ def _check_framing(kind: int, size: int) -> None:
                             f"{FRAME_BYTES} per frame, 1..{MAX_PUSH_FRAMES} frames)")
 
 
-# --- the stream protocol: client ----------------------------------------------------------------------------
+# --- client -------------------------------------------------------------------------------------------------
 
 
 class CodecStreamClient:
@@ -555,7 +335,7 @@ class CodecStreamClient:
         self._where: dict[DecodeStream, tuple[_StreamLink, int]] = {}
         self._closed = False
 
-    def open(self, lead_s: Callable[[], float], lookahead: int = 1) -> DecodeStream:
+    def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
         loop = asyncio.get_running_loop()
@@ -642,8 +422,8 @@ class _StreamLink:
             except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
                 raise ConnectionError(f"SNAC server at {self.path} unreachable: {exc!r}") from exc
             if answer != STREAM_HELLO:
-                raise ConnectionError(f"SNAC server at {self.path} does not serve streams (its snac_decoder is not "
-                                      f"this gateway's): {await _windows_error(reader, answer)}")
+                raise ConnectionError(f"SNAC server at {self.path} does not serve SNAC streams: it answered "
+                                      f"{answer!r}")
             writer.write(b"".join(self._queued))
             self._queued.clear()
             self._writer = writer
@@ -685,24 +465,6 @@ class _StreamLink:
             raise ConnectionError(f"SNAC server at {self.path} closed the connection") from exc
 
 
-async def _windows_error(reader: asyncio.StreamReader, answer: bytes) -> str:
-    """The text of a windows server's error reply that began with `answer`, if it is one."""
-    status, count = HEADER.unpack(answer)
-    if status != STATUS_ERROR or count > MAX_MESSAGE_BYTES:
-        return f"it answered {answer!r}"
-    with contextlib.suppress(asyncio.IncompleteReadError, OSError):
-        return (await reader.readexactly(count)).decode(errors="replace")
-    return "it answered with an error"
-
-
-def load_window_model(settings: CodecServerSettings) -> SnacModel:
-    """SNAC for windows as the settings say, its graphs captured: served, or in a gateway process."""
-    model = SnacModel.load(settings.snac_model, settings.device, settings.snac_dtype)
-    if settings.cuda_graphs:
-        model.capture_graphs(settings.window_lengths, settings.max_batch)
-    return model
-
-
 def load_stream_decoder(settings: CodecServerSettings) -> StreamDecoder:
     """The exact streaming decoder as the settings say: served, or in a gateway process."""
     from gateway.speech.snac_stream import StreamingSnac  # torch: only in the process that decodes
@@ -711,13 +473,6 @@ def load_stream_decoder(settings: CodecServerSettings) -> StreamDecoder:
                               max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
                               max_batch=settings.max_batch, compile=settings.compile)
     return StreamDecoder(snac, settings.max_batch)
-
-
-def load_server(settings: CodecServerSettings) -> CodecServer | StreamCodecServer:
-    """The server these settings describe: streams or windows."""
-    if settings.decoder not in SNAC_DECODERS:
-        raise ValueError(f"decoder must be one of {', '.join(SNAC_DECODERS)}, not {settings.decoder!r}")
-    return StreamCodecServer.load(settings) if settings.decoder == "stream" else CodecServer.load(settings)
 
 
 async def wait_for_server(path: str | Path, poll_s: float = SERVER_POLL_S) -> None:

@@ -16,9 +16,10 @@ samples change): [512 j - 4757, 512 (j + 1) + 4753), nothing outside; the outerm
 and the last few round away. So a sample needs 4757 samples of right context: 9.29 latent frames, 2.32 Orpheus
 frames (the issue's "about +-10 latent frames, +-2.5 Orpheus frames" is the rounded-up figure), and as much
 on the left. A window therefore needs 3 whole Orpheus frames of context on each side to be exact: 3/3 windows
-match the full decode to float rounding (126 dB SNR), 2/2 windows differ by up to 3e-4 (80 dB) and today's 1/1
-windows by up to 2e-2 (38 dB); the tests check all three. `StreamingSnac.delay_samples` (4757) is computed
-from the layers: the exact stream's audio ends that many samples before the end of the frames it has been fed.
+match the full decode to float rounding (126 dB SNR), 2/2 windows differ by up to 3e-4 (80 dB) and 1/1 windows
+(the gateway's decoder before this one) by up to 2e-2 (38 dB); the tests check all three.
+`StreamingSnac.delay_samples` (4757) is computed from the layers: the exact stream's audio ends that many samples
+before the end of the frames it has been fed.
 
 Noise: SNAC's `NoiseBlock` draws `torch.randn` on every call, so no decode is reproducible. Here the noise
 of block `layer` at sample `t` of a stream is a Gaussian made from a 32-bit integer hash of (stream seed, layer,
@@ -42,7 +43,8 @@ only add latency (a stream waits for k frames) and graphs per (batch, k). A stre
 joins consecutive `step_batch` calls (`drain` does that); its GPU work per frame is the same, only the number
 of replays grows. `chunk_frames=k` is available for offline or throughput-bound use: fewer flush steps
 (ceil(4757 / (2048 k))) and fewer replays. Work per utterance of N frames: N + 3 frame-steps (the 3 flush
-steps), e.g. 1.075 decoded frames per new frame at N = 40, against ~2.9 for today's 3-frame windows.
+steps), e.g. 1.075 decoded frames per new frame at N = 40, against ~2.9 for sliding 3-frame windows (the
+benchmarks' baseline, bench/device/windows_baseline.py).
 
 Latency and fast start: exact audio up to sample p needs the frames up to sample p + 4757, 2709 samples (113 ms
 of audio, 1.32 frame times at generation pace) later than sliding windows with one frame of lookahead; the
@@ -87,7 +89,6 @@ from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d, snake
 from torch.nn import functional as nnf
 
 from gateway.orpheus import CODEBOOK_SIZE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME, Frame, frames_to_layers
-from gateway.speech.codec import snac_device_and_dtype
 
 INT16_MAX = 32767
 # Batch sizes with a captured graph: a batch runs in the smallest bucket that holds it (padded rows are wasted
@@ -107,6 +108,24 @@ BRIDGE_CONTEXT_FRAMES = 1
 # is padded to 2 (one scratch row) instead of compiling a third graph.
 COMPILED_MIN_BATCH = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# SNAC's precision where `--snac-dtype auto` runs it on a GPU. Measured on one H200 in one lease
+# (docs/benchmarks.md, 2026-12-04): the exact streaming decoder in bfloat16 kept 180 of 256 streams real time at
+# 0 ms (float32: 74) and 110 of 384 at 500 ms (73), at 0.67 GPU ms per audio second at B=256 (0.80); 39 dB SNR
+# against float32 (tests/test_snac_stream.py holds it above 33 dB). float16 is as fast and closer (56 dB), but
+# not its range: snake's 1 / (alpha + 1e-9) overflows float16 for a trained alpha near 0, which random weights
+# cannot show.
+GPU_SNAC_DTYPE = "bfloat16"
+
+
+def snac_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """The one reading of `--snac-device auto` (CUDA when there is one) and `--snac-dtype auto` (GPU_SNAC_DTYPE on
+    CUDA; float32 elsewhere: CPUs without bfloat16 units run it slower, and CPU tests compare against float32)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = GPU_SNAC_DTYPE if device.startswith("cuda") else "float32"
+    return device, dtype
+
 
 # --- position-tied noise --------------------------------------------------------------------------------
 
@@ -542,7 +561,7 @@ class StreamStats:
 
     @property
     def decoded_per_new_frame(self) -> float:
-        """Frames decoded (exact steps + first-chunk windows) per frame pushed; today's 3-frame windows: ~2.9."""
+        """Frames decoded (exact steps + bridge decodes) per frame pushed; sliding 3-frame windows: ~2.9."""
         return (self.stepped_frames + self.approx_frames) / max(1, self.pushed_frames)
 
 
@@ -632,7 +651,7 @@ class StreamingSnac:
              chunk_frames: int = 1, capture_graphs: bool = True, max_batch: int | None = None,
              compile: bool = False) -> StreamingSnac:
         """Load a SNAC checkpoint (hub name or folder) and build the streaming decoder on `device` in `dtype`
-        ("auto": `codec.snac_device_and_dtype`). On CUDA with `capture_graphs`, graphs for batch buckets up to
+        ("auto": `snac_device_and_dtype`). On CUDA with `capture_graphs`, graphs for batch buckets up to
         `max_batch` (default: min(max_streams, 512)) are captured at once (after compiling, with `compile`)."""
         from snac import SNAC
 

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
-from gateway.speech.codec import DecodeStats
 
 if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_server imports it, torch-free)
     from gateway.speech.snac_stream import StreamHandle, StreamingSnac
@@ -45,6 +44,21 @@ BRIDGE_CROSSFADE = 512  # samples: halves the hand-over error of a 256-sample fa
 # Lead beyond the hand-over's own need: a tick's decode and delivery (~15 ms at 256 streams on an H200).
 HANDOVER_MARGIN_S = 0.02
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
+# Frames a stream's first audio waits for beyond its own unless the tokens come fast (then 0): one frame of right
+# context is where the bridge's error falls to the crossfade's scale (`snac_stream`'s window measurements).
+FIRST_AUDIO_LOOKAHEAD = 1
+THREAD_NAME = "snac-stream-decoder"  # the worker thread (bench.probes reads its CPU time by this name)
+
+
+@dataclass
+class DecodeStats:
+    """A decoder's batched steps so far (bench.probes reads them; the metrics hook gets each step as it runs)."""
+
+    batches: int = 0  # batched steps
+    windows: int = 0  # stream-steps in them: one frame of one stream each
+    frames: int = 0  # new audio frames emitted
+    window_frames: int = 0  # frames run through SNAC's exact step (one per stream-step)
+    busy_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -54,7 +68,7 @@ class DecodeStream:
 
     loop: asyncio.AbstractEventLoop
     lead_s: Callable[[], float]  # how far this utterance's audio out runs ahead of real time (the deadline)
-    lookahead: int = 1  # frames the first audio waits for beyond its own (0: as soon as one frame is in)
+    lookahead: int = FIRST_AUDIO_LOOKAHEAD  # frames the first audio waits for beyond its own (0: at one frame)
     chunks: asyncio.Queue[tuple[np.ndarray, bool] | BaseException | None] = field(default_factory=asyncio.Queue)
     handle: StreamHandle | None = None  # worker thread only
     started: bool = False  # worker thread only: its first audio went out
@@ -76,11 +90,11 @@ class StreamDecoder:
         self._commands: queue.SimpleQueue[tuple[str, DecodeStream, Any] | None] = queue.SimpleQueue()
         self._streams: list[DecodeStream] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="snac-stream-decoder", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     # --- event-loop side --------------------------------------------------------------------------
-    def open(self, lead_s: Callable[[], float], lookahead: int = 1) -> DecodeStream:
+    def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
         stream = DecodeStream(asyncio.get_running_loop(), lead_s, lookahead)

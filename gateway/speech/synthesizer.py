@@ -1,7 +1,7 @@
 """Text in, 24 kHz PCM out: the one interface every front end (HTTP, WebRTC, CLI, benchmarks) uses.
 
-text -> sentences -> prompt ids -> engine token ids -> SNAC frames -> SNAC decoder (exact stream or windows)
--> PCM chunks.
+text -> sentences -> prompt ids -> engine token ids -> SNAC frames -> the exact streaming SNAC decoder (in this
+process or in the shared SNAC process) -> PCM chunks.
 
 Sentences of one utterance play back to back: the next sentence's generation starts as soon as the
 previous one has finished generating (its audio is still being decoded and played), so there is no gap
@@ -31,18 +31,10 @@ from gateway.orpheus import (
     split_sentences,
 )
 from gateway.speech.checkpoints import require_checkpoint
-from gateway.speech.codec import CodeDecoder, DecodeBatcher, StreamWindower
-from gateway.speech.codec_server import (
-    CodecClient,
-    CodecServerSettings,
-    CodecStreamClient,
-    load_stream_decoder,
-    load_window_model,
-    wait_for_server,
-)
+from gateway.speech.codec_server import CodecServerSettings, CodecStreamClient, load_stream_decoder, wait_for_server
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.remote import RemoteEngine
-from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
+from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream, StreamDecoder
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +89,7 @@ class UtteranceStats:
     # orders streams by, so a buffered listener's stream waits for one that plays what it gets at once.
     listener_buffer_s: float = 0.0
     first_token_at: float | None = None
-    first_window_at: float | None = None  # the first decode window went to SNAC (first audio = this + decode)
+    first_window_at: float | None = None  # the first frames went to the SNAC decoder (first audio = this + decode)
     first_audio_at: float | None = None
     finished_at: float | None = None
     sentences: int = 0
@@ -136,17 +128,13 @@ STREAM_SLOT_SPARE = 64
 class Synthesizer:
     """Owns the engine, the tokenizer and the SNAC decoder; hands out audio streams."""
 
-    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any,
-                 decoder: DecodeBatcher | StreamDecoding) -> None:
+    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any, decoder: StreamDecoding) -> None:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.decoder = decoder
-        # The exact streaming decoder when that is what decodes here; else sliding windows (`_decode`).
-        self.streams = decoder if isinstance(decoder, (StreamDecoder, CodecStreamClient)) else None
         self.voices = list(config.voice_list)
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
-        self._patient_lead_s = config.decode_patient_lead_ms / 1000
         self._fast_start_s = config.decode_fast_start_ms / 1000
         # A decoder in this process is ready once built; a shared SNAC process once it listens (`start`).
         self.decoder_ready = not config.snac_socket
@@ -161,8 +149,7 @@ class Synthesizer:
 
         require_checkpoints(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        decoder = _stream_decoder(config) if uses_stream_decoder(config) else \
-            DecodeBatcher(_code_decoder(config), config.decode_max_batch)
+        decoder = _stream_decoder(config)
         engine: EngineBase = RemoteEngine(config) if config.vllm_urls else OrpheusEngine(config)
         return cls(config, engine, tokenizer, decoder)
 
@@ -263,7 +250,7 @@ class Synthesizer:
                         stats: UtteranceStats, chunks: asyncio.Queue[Any], generated: asyncio.Event) -> None:
         """Generate, parse and decode one sentence into `chunks`; set `generated` when the engine is done.
 
-        Generation runs here; decoding runs beside it in `_decode`, one round in flight at a time.
+        Generation runs here; the decoded audio comes beside it in `_decode_stream`.
         """
         parser = AudioTokenParser()
         feed = self._sentence_feed(index, sentence, stats, chunks)
@@ -311,39 +298,6 @@ class Synthesizer:
             stats.dropped_tokens += parser.stats.dropped_tokens
             chunks.put_nowait(_END)
 
-    async def _decode(self, windower: StreamWindower, arrived: asyncio.Event, ended: asyncio.Event, index: int,
-                      sentence: str, stats: UtteranceStats, chunks: asyncio.Queue[Any]) -> None:
-        """Decode one sentence's frames into `chunks`, in order, with one decode round in flight: the frames
-        that arrive meanwhile go into the next window (adaptive hop). Wakes on `arrived`; ends after the final
-        windows once `ended` is set.
-
-        A stream whose audio out leads real time by `decode_patient_lead_ms` waits for whole `max_hop`
-        windows (on an H200 a decode round returns before the next frame arrives, so without this every
-        window would emit one frame and recompute two); it decodes what is ready once its lead shrinks to
-        that margin, even if no frame arrives."""
-        first = True
-        while True:
-            final = ended.is_set()
-            spare_s = self._lead_s(stats) - self._patient_lead_s
-            patient = self._patient_lead_s > 0 and spare_s >= 0
-            windows = windower.take_round(final, patient)
-            if not windows:
-                if final:
-                    return
-                arrived.clear()
-                if patient and windower.ready() > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(arrived.wait(), spare_s)
-                else:
-                    await arrived.wait()
-                continue
-            if stats.first_window_at is None:
-                stats.first_window_at = time.monotonic()
-            pcm = await self.decoder.decode_many(windows)
-            last = final and windower.ready(final=True) == 0
-            for i, samples in enumerate(pcm):
-                first = self._put(chunks, samples, index, sentence, first, stats, last=last and i == len(pcm) - 1)
-
     async def _decode_stream(self, stream: DecodeStream, index: int, sentence: str, stats: UtteranceStats,
                              chunks: asyncio.Queue[Any]) -> None:
         """One sentence's audio from the exact streaming decoder into `chunks`, in order, as it comes."""
@@ -355,26 +309,20 @@ class Synthesizer:
             first = self._put(chunks, pcm, index, sentence, first, stats, last=last)
 
     def _sentence_feed(self, index: int, sentence: str, stats: UtteranceStats,
-                       chunks: asyncio.Queue[Any]) -> _WindowFeed | _StreamFeed:
-        """Where this sentence's frames go: the exact streaming decoder (here or in the shared SNAC process), or
-        sliding windows (`snac_decoder windows`)."""
-        if self.streams is not None:
-            stream = self.streams.open(lambda: self._lead_s(stats))
-            task = asyncio.create_task(self._decode_stream(stream, index, sentence, stats, chunks))
-            return _StreamFeed(self.streams, stream, task, stats)
-        windower = _windower(self.config)
-        arrived, ended = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(self._decode(windower, arrived, ended, index, sentence, stats, chunks))
-        return _WindowFeed(windower, arrived, ended, task)
+                       chunks: asyncio.Queue[Any]) -> _StreamFeed:
+        """A stream of the decoder for this sentence's frames, and the task that puts its audio into `chunks`."""
+        stream = self.decoder.open(lambda: self._lead_s(stats))
+        task = asyncio.create_task(self._decode_stream(stream, index, sentence, stats, chunks))
+        return _StreamFeed(self.decoder, stream, task, stats)
 
     def _next_frames_in_time(self, tokens: int, since_first_token_s: float) -> bool:
-        """Early start: at this token rate, do the tokens the second frame's window needs (that frame and its
-        lookahead) arrive within `decode_fast_start_ms`? The first frame plays 85 ms, so then the second is
-        decoded before the first has played out."""
+        """Early start: at this token rate, do the tokens the second frame's audio needs (that frame and the
+        `FIRST_AUDIO_LOOKAHEAD` after it) arrive within `decode_fast_start_ms`? The first frame plays 85 ms, so
+        then the second is decoded before the first has played out."""
         if self._fast_start_s <= 0 or tokens < 2:
             return False
         per_token_s = since_first_token_s / (tokens - 1)
-        needed = (2 + self.config.decode_lookahead_frames) * SLOTS_PER_FRAME
+        needed = (2 + FIRST_AUDIO_LOOKAHEAD) * SLOTS_PER_FRAME
         return (needed - tokens) * per_token_s <= self._fast_start_s
 
     @staticmethod
@@ -417,33 +365,6 @@ def require_checkpoints(config: GatewayConfig) -> None:
 
 
 @dataclass
-class _WindowFeed:
-    """A sentence's frames into sliding decode windows (`_decode` takes them in rounds)."""
-
-    windower: StreamWindower
-    arrived: asyncio.Event
-    ended: asyncio.Event
-    task: asyncio.Task[None]
-
-    @property
-    def received(self) -> int:
-        return self.windower.received
-
-    def push(self, frames: list[Frame], early: bool) -> None:
-        if early:
-            self.windower.start_early()
-        self.windower.push(frames)
-        self.arrived.set()
-
-    def end(self) -> None:
-        self.ended.set()
-        self.arrived.set()
-
-    def release(self) -> None:
-        pass
-
-
-@dataclass
 class _StreamFeed:
     """A sentence's frames into the exact streaming decoder."""
 
@@ -456,7 +377,7 @@ class _StreamFeed:
     def push(self, frames: list[Frame], early: bool) -> None:
         if self.received == 0:
             # Fast tokens: the first audio as soon as one frame is here; else once its lookahead frame is.
-            self.stream.lookahead = 0 if early else 1
+            self.stream.lookahead = 0 if early else FIRST_AUDIO_LOOKAHEAD
             if self.stats.first_window_at is None:
                 self.stats.first_window_at = time.monotonic()
         self.received += len(frames)
@@ -467,12 +388,6 @@ class _StreamFeed:
 
     def release(self) -> None:
         self.decoder.release(self.stream)
-
-
-def uses_stream_decoder(config: GatewayConfig) -> bool:
-    """The exact streaming decoder decodes unless windows are asked for: in this process, or in the shared SNAC
-    process (`--snac-socket`), which then serves streams."""
-    return config.snac_decoder == "stream"
 
 
 def _stream_decoder(config: GatewayConfig) -> StreamDecoding:
@@ -487,30 +402,12 @@ def _stream_slots(config: GatewayConfig) -> int:
     return config.max_num_seqs * config.data_parallel_size + STREAM_SLOT_SPARE
 
 
-def _code_decoder(config: GatewayConfig) -> CodeDecoder:
-    """SNAC windows in this process, or a client of a shared decoder (`--snac-socket`, set by `serve --workers`)."""
-    if config.snac_socket:
-        return CodecClient(config.snac_socket)
-    return load_window_model(codec_server_settings(config))
-
-
 def codec_server_settings(config: GatewayConfig, path: str = "") -> CodecServerSettings:
-    """The SNAC decoder of this configuration (streams or windows, as `snac_decoder`): this process's own, or the
-    shared one, served on `path`."""
+    """The SNAC decoder of this configuration: this process's own, or the shared one, served on `path`."""
     return CodecServerSettings(socket=path, snac_model=config.snac_model, device=config.snac_device,
-                               snac_dtype=config.snac_dtype,
-                               cuda_graphs=config.snac_cuda_graphs, window_lengths=tuple(_window_lengths(config)),
-                               max_batch=config.decode_max_batch, decoder=config.snac_decoder,
-                               max_streams=_stream_slots(config), compile=config.snac_compile)
-
-
-def _window_lengths(config: GatewayConfig) -> list[int]:
-    return _windower(config).window_lengths(early_start=config.decode_fast_start_ms > 0)
-
-
-def _windower(config: GatewayConfig) -> StreamWindower:
-    return StreamWindower(config.decode_context_frames, config.decode_lookahead_frames, config.decode_hop_frames,
-                          config.decode_max_hop_frames)
+                               snac_dtype=config.snac_dtype, cuda_graphs=config.snac_cuda_graphs,
+                               max_batch=config.decode_max_batch, max_streams=_stream_slots(config),
+                               compile=config.snac_compile)
 
 
 async def _aiter(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
