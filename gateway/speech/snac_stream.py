@@ -643,7 +643,7 @@ class StreamingSnac:
         self._width = self._codes_width + 4  # codes, slot, first frame, end (frames), seed
         self._graphs: dict[tuple[bool, int], _StepGraph] = {}  # (masked, batch) -> graph
         self._bridge_graphs: dict[tuple[int, int], _StepGraph] = {}  # (frames, batch) -> graph
-        self._host_buffers: dict[tuple[str, int], torch.Tensor] = {}  # pinned, per launch of a tick (CUDA)
+        self._host_buffers: dict[tuple[str, int], torch.Tensor] = {}  # per launch of a tick (pinned on CUDA)
         self.stats = StreamStats()
 
     @classmethod
@@ -851,7 +851,8 @@ class StreamingSnac:
             results.append((group, self._to_host(audio if as_float else pcm, part)))
         if self.device.type == "cuda" and launches:
             torch.cuda.current_stream(self.device).synchronize()  # one host sync for all of the tick's launches
-        for group, data in results:
+        for group, reused in results:
+            data = reused.copy()  # the pieces handed out are views of it; the next tick overwrites the buffer
             for r, (i, h) in enumerate(group):
                 out[i] = self._emit(h, data[r], as_float)
                 del h._pending[:k]
@@ -870,18 +871,24 @@ class StreamingSnac:
         return staging.to(self.device, non_blocking=True)
 
     def _to_host(self, result: torch.Tensor, part: int) -> np.ndarray:
-        """The launch's output on the host: on CUDA an asynchronous copy into a pinned buffer of its own, valid
-        after the tick's sync."""
-        if self.device.type != "cuda":
-            return result.numpy()
-        host = self._pinned(("out", part), (self._max_rows(), result.shape[1]), result.dtype)[:result.shape[0]]
-        host.copy_(result, non_blocking=True)
+        """The launch's output in a host buffer of its own that every tick reuses (on every device, so the CPU
+        tests see the reuse the GPU has): on CUDA a pinned buffer and an asynchronous copy, valid after the
+        tick's sync."""
+        cuda = self.device.type == "cuda"
+        host = self._host_buffer(("out", part), (self._max_rows(), result.shape[1]), result.dtype,
+                                 pinned=cuda)[:result.shape[0]]
+        host.copy_(result, non_blocking=cuda)
         return host.numpy()
 
     def _pinned(self, key: tuple[str, int], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        return self._host_buffer(key, shape, dtype, pinned=True)
+
+    def _host_buffer(self, key: tuple[str, int], shape: tuple[int, int], dtype: torch.dtype,
+                     pinned: bool) -> torch.Tensor:
         buffer = self._host_buffers.get(key)
         if buffer is None or buffer.dtype != dtype or buffer.shape[0] < shape[0] or buffer.shape[1] != shape[1]:
-            buffer = self._host_buffers[key] = torch.empty(shape, dtype=dtype).pin_memory()
+            buffer = torch.empty(shape, dtype=dtype)
+            buffer = self._host_buffers[key] = buffer.pin_memory() if pinned else buffer
         return buffer
 
     def _emit(self, handle: StreamHandle, chunk: np.ndarray, as_float: bool) -> np.ndarray:
