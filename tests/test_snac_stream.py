@@ -515,97 +515,89 @@ def test_bridge_to_the_end_of_a_short_utterance_is_exact(decoder: StreamingSnac,
     assert np.abs(audio - utt.reference)[exact_from:].max() < EXACT
 
 
+@pytest.fixture
+def stream_decoder(snac_model: torch.nn.Module) -> Iterator[StreamDecoder]:
+    """A stream decoder (its worker thread) over a 2-stream float32 SNAC on the CPU, closed after the test."""
+    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
+    yield decoder
+    decoder.close()
+
+
 @pytest.mark.parametrize(("lead_s", "handover"), [(0.0, (MAX_HEAD_FRAMES - 1) * SAMPLES_PER_FRAME),
                                                   (1.0, SAMPLES_PER_FRAME)])
-async def test_the_bridge_goes_on_until_the_lead_covers_the_handover(snac_model: torch.nn.Module, lead_s: float,
+async def test_the_bridge_goes_on_until_the_lead_covers_the_handover(stream_decoder: StreamDecoder, lead_s: float,
                                                                     handover: int) -> None:
     """The stream decoder's policy: a stream without lead (a listener who plays what comes, generation at real-time
     pace) gets bridge audio up to the head's end before the exact stream takes over; one whose lead covers the
     hand-over (1 s > 4757 samples) hands over after its first audio. Every sample comes out once either way."""
-    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
-    try:
-        frames = make_frames(12, seed=12)
-        stream = decoder.open(lambda: lead_s, lookahead=1)
-        decoder.push(stream, frames[:2])
-        first = await asyncio.wait_for(stream.chunks.get(), 60)
-        assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME,)
-        for frame in frames[2:]:
-            decoder.push(stream, [frame])
-        decoder.finish(stream)
-        rest = await decoded_audio(stream.chunks)
-        assert stream.handle is not None and stream.handle.handover == handover
-        assert len(first[0]) + len(rest) == len(frames) * SAMPLES_PER_FRAME
-    finally:
-        decoder.close()
+    frames = make_frames(12, seed=12)
+    stream = stream_decoder.open(lambda: lead_s, lookahead=1)
+    stream_decoder.push(stream, frames[:2])
+    first = await asyncio.wait_for(stream.chunks.get(), 60)
+    assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME,)
+    for frame in frames[2:]:
+        stream_decoder.push(stream, [frame])
+    stream_decoder.finish(stream)
+    rest = await decoded_audio(stream.chunks)
+    assert stream.handle is not None and stream.handle.handover == handover
+    assert len(first[0]) + len(rest) == len(frames) * SAMPLES_PER_FRAME
 
 
 @pytest.mark.parametrize(("lead_per_frame_s", "handover_frames"), [(0.0, 2), (0.02, MAX_HEAD_FRAMES - 1)])
 async def test_the_bridge_stops_early_when_the_lead_will_not_cover_the_handover(
-        snac_model: torch.nn.Module, lead_per_frame_s: float, handover_frames: int) -> None:
+        stream_decoder: StreamDecoder, lead_per_frame_s: float, handover_frames: int) -> None:
     """Frames one at a time. A lead that does not grow (generation at real-time pace) will never cover the
     hand-over: the bridge stops at its second check instead of decoding on to the head's end. A lead that grows
     20 ms a frame (generation at ~1.3x) needs 198 - 3 x 20 ms by the head's end and gets there: it bridges on."""
-    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
-    try:
-        frames = make_frames(12, seed=13)
-        holder: list[DecodeStream] = []
+    frames = make_frames(12, seed=13)
+    holder: list[DecodeStream] = []
 
-        def lead_s() -> float:
-            handle = holder[0].handle if holder else None
-            return lead_per_frame_s * (handle.bridged if handle is not None else 0)
+    def lead_s() -> float:
+        handle = holder[0].handle if holder else None
+        return lead_per_frame_s * (handle.bridged if handle is not None else 0)
 
-        stream = decoder.open(lead_s, lookahead=1)
-        holder.append(stream)
-        for k in range(2, len(frames) + 1):
-            decoder.push(stream, frames[k - 1:k] if k > 2 else frames[:2])
-            await wait_until(lambda k=k: stream.handle is not None and (
-                not stream.bridging or stream.handle.bridged >= min(k, MAX_HEAD_FRAMES)), timeout=60)
-        decoder.finish(stream)
-        audio = await decoded_audio(stream.chunks)
-        assert stream.handle is not None and stream.handle.handover == handover_frames * SAMPLES_PER_FRAME
-        assert len(audio) == len(frames) * SAMPLES_PER_FRAME
-    finally:
-        decoder.close()
+    stream = stream_decoder.open(lead_s, lookahead=1)
+    holder.append(stream)
+    for k in range(2, len(frames) + 1):
+        stream_decoder.push(stream, frames[k - 1:k] if k > 2 else frames[:2])
+        await wait_until(lambda k=k: stream.handle is not None and (
+            not stream.bridging or stream.handle.bridged >= min(k, MAX_HEAD_FRAMES)), timeout=60)
+    stream_decoder.finish(stream)
+    audio = await decoded_audio(stream.chunks)
+    assert stream.handle is not None and stream.handle.handover == handover_frames * SAMPLES_PER_FRAME
+    assert len(audio) == len(frames) * SAMPLES_PER_FRAME
 
 
 @pytest.mark.parametrize(("lead_s", "second_piece"), [(0.0, SAMPLES_PER_FRAME), (0.1, BRIDGE_CROSSFADE)])
-async def test_a_fast_start_without_lead_goes_on_without_lookahead(snac_model: torch.nn.Module, lead_s: float,
+async def test_a_fast_start_without_lead_goes_on_without_lookahead(stream_decoder: StreamDecoder, lead_s: float,
                                                                   second_piece: int) -> None:
     """After a lookahead-0 start, a listener with less than a frame ahead (0 ms) gets the next frame whole as soon
     as it is in (lookahead 0 again), not just the crossfade a lookahead-1 piece adds until a frame beyond it
     arrives; with more than a frame ahead (100 ms) the pieces go back to lookahead 1."""
-    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
-    try:
-        frames = make_frames(4, seed=14)
-        stream = decoder.open(lambda: lead_s, lookahead=0)
-        decoder.push(stream, frames[:1])
-        first = await asyncio.wait_for(stream.chunks.get(), 60)
-        assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME - BRIDGE_CROSSFADE,)
-        decoder.push(stream, frames[1:2])
-        second = await asyncio.wait_for(stream.chunks.get(), 60)
-        assert isinstance(second, tuple) and second[0].shape == (second_piece,)
-        decoder.push(stream, frames[2:])
-        decoder.finish(stream)
-        rest = await decoded_audio(stream.chunks)
-        assert len(first[0]) + len(second[0]) + len(rest) == len(frames) * SAMPLES_PER_FRAME
-    finally:
-        decoder.close()
+    frames = make_frames(4, seed=14)
+    stream = stream_decoder.open(lambda: lead_s, lookahead=0)
+    stream_decoder.push(stream, frames[:1])
+    first = await asyncio.wait_for(stream.chunks.get(), 60)
+    assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME - BRIDGE_CROSSFADE,)
+    stream_decoder.push(stream, frames[1:2])
+    second = await asyncio.wait_for(stream.chunks.get(), 60)
+    assert isinstance(second, tuple) and second[0].shape == (second_piece,)
+    stream_decoder.push(stream, frames[2:])
+    stream_decoder.finish(stream)
+    rest = await decoded_audio(stream.chunks)
+    assert len(first[0]) + len(second[0]) + len(rest) == len(frames) * SAMPLES_PER_FRAME
 
 
-async def test_fast_tokens_get_audio_from_the_first_frame(snac_model: torch.nn.Module) -> None:
+async def test_fast_tokens_get_audio_from_the_first_frame(stream_decoder: StreamDecoder) -> None:
     """Lookahead 0 (the engine's tokens come fast): the first audio is out once one frame is in, all of it but
     the crossfade that joins the next piece."""
-    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
-    try:
-        stream = decoder.open(lambda: 0.0, lookahead=0)
-        decoder.push(stream, make_frames(1, seed=1))
-        first = await asyncio.wait_for(stream.chunks.get(), 60)
-        assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME - BRIDGE_CROSSFADE,)
-        decoder.finish(stream)
-        rest = await decoded_audio(stream.chunks)
-        assert len(first[0]) + len(rest) == SAMPLES_PER_FRAME
-    finally:
-        decoder.close()
+    stream = stream_decoder.open(lambda: 0.0, lookahead=0)
+    stream_decoder.push(stream, make_frames(1, seed=1))
+    first = await asyncio.wait_for(stream.chunks.get(), 60)
+    assert isinstance(first, tuple) and first[0].shape == (SAMPLES_PER_FRAME - BRIDGE_CROSSFADE,)
+    stream_decoder.finish(stream)
+    rest = await decoded_audio(stream.chunks)
+    assert len(first[0]) + len(rest) == SAMPLES_PER_FRAME
 
 
 # --- bookkeeping and noise ----------------------------------------------------------------------------------------
