@@ -866,7 +866,8 @@ class StreamingSnac:
         previous copy ended with the last tick's sync."""
         if self.device.type != "cuda":
             return torch.from_numpy(rows).to(self.device)
-        staging = self._pinned(("in", part), (self._max_rows(), self._width), torch.int64)[:rows.shape[0]]
+        staging = self._host_buffer(("in", part), (self._max_rows(), self._width), torch.int64,
+                                    pinned=True)[:rows.shape[0]]
         staging.numpy()[:] = rows
         return staging.to(self.device, non_blocking=True)
 
@@ -879,9 +880,6 @@ class StreamingSnac:
                                  pinned=cuda)[:result.shape[0]]
         host.copy_(result, non_blocking=cuda)
         return host.numpy()
-
-    def _pinned(self, key: tuple[str, int], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        return self._host_buffer(key, shape, dtype, pinned=True)
 
     def _host_buffer(self, key: tuple[str, int], shape: tuple[int, int], dtype: torch.dtype,
                      pinned: bool) -> torch.Tensor:
