@@ -19,15 +19,23 @@ sizes (`--batches`), so the weights, read once per kernel whatever the batch, dr
   benchmarks' baseline in bench/device/windows_baseline.py, and of a bridge decode), 3 frames per new one.
 
 The predicted GPU gain of a variant, if the step stays bound by memory traffic, is the ratio of bytes per stream.
+
+Bytes miss one cost: a GPU kernel evaluates both branches of every select for every value (Triton masks loads,
+it does not skip them), so a fused kernel full of selects can cost far more than its bytes (the compiled step's
+old state write: 2.85 of 9.1 ms on an H200). For the compiled step this also counts the operations Inductor's
+fused kernels evaluate per stream and new frame: each scheduler node's values times the distinct operations of
+its loop body and masked sub-blocks, and the largest kernels by that count.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +71,9 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if name == "reshape" and not self._inside and out.untyped_storage().data_ptr() != \
+                args[0].untyped_storage().data_ptr():
+            name = "copy_"  # a reshape that cannot be a view copies (as clone + view)
         if self._inside or name in NO_TRAFFIC:
             return out
         if name == "conv1d":  # (input, weight, bias, stride, padding, dilation, groups)
@@ -145,15 +156,71 @@ def _numel(dims: str) -> int:
     return n
 
 
-def count_compiled(snac: StreamingSnac, batch: int) -> list[tuple[str, int]]:
+def _distinct_ops(graph: torch.fx.Graph) -> int:
+    """Operations of a loop body's graph, each distinct one once (the kernel's CSE): Inductor traces a body as
+    a tree, so a value used twice (as the noise hash's x in x ^ (x >> 16)) appears twice."""
+    canonical: dict[torch.fx.Node, Any] = {}
+    seen: dict[tuple[Any, ...], torch.fx.Node] = {}
+    count = 0
+    for node in graph.nodes:
+        args = tuple(canonical.get(a, a) if isinstance(a, torch.fx.Node) else repr(a) for a in node.args)
+        key = (node.op, str(node.target), args, repr(sorted(node.kwargs.items())))
+        if node.op == "call_method" and key not in seen and node.target not in NOT_COUNTED_OPS:
+            count += 1
+        canonical[node] = seen.setdefault(key, node)
+    return count
+
+
+# Loop-body entries that are not arithmetic or memory operations of the generated kernel.
+NOT_COUNTED_OPS = {"get_index", "constant", "index_expr", "output"}
+
+
+def evaluated_ops(nodes: list[Any]) -> list[tuple[int, int, str]]:
+    """(values computed, distinct operations per value, node) of each Inductor scheduler node: its loop body and
+    its masked sub-blocks (a select's branches), all counted, as a GPU kernel evaluates every branch for every
+    value (Triton masks loads, it does not skip them)."""
+    rows = []
+    for group in nodes:
+        for node in group.get_nodes():
+            body = getattr(node, "_body", None)
+            if body is None:  # convolutions and other kernels left to aten
+                continue
+            values = math.prod(int(n) for sizes in node._sizes for n in sizes)
+            graphs = [body.root_block.graph, *(block.graph for block in body.subblocks.values())]
+            rows.append((values, sum(_distinct_ops(g) for g in graphs), group.get_name()))
+    return rows
+
+
+@contextlib.contextmanager
+def scheduler_nodes() -> Iterator[list[list[Any]]]:
+    """The scheduler nodes of each graph Inductor compiles inside the block (a private hook: the scheduler's
+    node list after fusion)."""
+    from torch._inductor import scheduler
+
+    captured: list[list[Any]] = []
+    init = scheduler.Scheduler.__init__
+
+    def capture(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        captured.append(list(self.nodes))
+
+    scheduler.Scheduler.__init__ = capture  # type: ignore[method-assign]
+    try:
+        yield captured
+    finally:
+        scheduler.Scheduler.__init__ = init  # type: ignore[method-assign]
+
+
+def count_compiled(snac: StreamingSnac, batch: int) -> tuple[list[tuple[str, int]], list[tuple[int, int, str]]]:
     """Kernels of Inductor's code for the unmasked step at `batch` rows, each with the bytes of its buffer
-    arguments and its output (element size: the decoder's dtype; the int64 positions count as that too)."""
+    arguments and its output (element size: the decoder's dtype; the int64 positions count as that too); and
+    the operations its fused kernels evaluate (`evaluated_ops`)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     step = torch.compile(snac.decoder.stream, fullgraph=True, dynamic=False)
-    with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False):
+    with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False), scheduler_nodes() as graphs:
         _, sources = run_and_get_code(step, *_inputs(snac, batch), False)
     code = "\n".join(sources)
     call = code[code.index("def call("):]
@@ -174,7 +241,7 @@ def count_compiled(snac: StreamingSnac, batch: int) -> list[tuple[str, int]]:
         kind = "conv (aten)" if kernel.startswith("extern_kernels.conv") else (
             "other (aten)" if kernel.startswith("extern") else "fused (Inductor)")
         ops.append((kind, sum(shapes.get(n, 0) for n in names) * size))
-    return ops
+    return ops, evaluated_ops(graphs[-1])
 
 
 def per_stream(small: list[tuple[str, int]], large: list[tuple[str, int]], batches: tuple[int, int],
@@ -190,6 +257,22 @@ def per_stream(small: list[tuple[str, int]], large: list[tuple[str, int]], batch
              for k, (n, little, big) in sorted(kinds.items(), key=lambda kv: kv[1][1] - kv[1][2])}
     return {"kernels": sum(v["kernels"] for v in table.values()),
             "mb_per_frame": round(sum(v["mb_per_frame"] for v in table.values()), 3), "by_kind": table}
+
+
+def evaluated_per_stream(small: list[tuple[int, int, str]], large: list[tuple[int, int, str]], rows: int,
+                         top: int = 6) -> dict[str, Any]:
+    """Operations evaluated per stream and new frame, in all and by fused kernel (the largest `top`), as the
+    difference of two batch sizes (the two compiles fuse alike)."""
+    kernels: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])  # ops, values: small, large
+    for at, nodes in enumerate((small, large)):
+        for values, ops, kernel in nodes:
+            kernels[kernel][at] += values * ops
+            kernels[kernel][2 + at] += values
+    largest = sorted(kernels.items(), key=lambda kv: kv[1][0] - kv[1][1])[:top]
+    return {"mops_per_frame": round(sum(b - a for a, b, _, _ in kernels.values()) / rows / 1e6, 2),
+            "largest": [{"kernel": name, "mops_per_frame": round((b - a) / rows / 1e6, 2),
+                         "values_per_frame": (vb - va) // rows, "ops_per_value": round((b - a) / max(vb - va, 1), 1)}
+                        for name, (a, b, va, vb) in largest]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,15 +294,25 @@ def main(argv: list[str] | None = None) -> int:
         report["variants"][what]["decoded_frames"] = per_frame
     if not args.no_compiled:
         compiled = StreamingSnac(model, "cpu", args.dtype, max_streams=large, compile=True)
-        counts = [count_compiled(compiled, b) + count_eager(eager, b, "around") for b in (small, large)]
+        counted = [count_compiled(compiled, b) for b in (small, large)]
+        counts = [kernels + count_eager(eager, b, "around")
+                  for (kernels, _), b in zip(counted, (small, large), strict=True)]
         report["variants"]["stream compiled"] = per_stream(*counts, (small, large))
         report["variants"]["stream compiled"]["decoded_frames"] = 1
+        report["evaluated_ops"] = evaluated_per_stream(counted[0][1], counted[1][1], large - small)
     base = report["variants"]["stream"]["mb_per_frame"]
     print(f"{'variant':18} {'kernels/step':>12} {'MB/new frame':>12} {'vs stream':>9}   largest kinds (MB/new frame)")
     for name, v in report["variants"].items():
         v["vs_stream"] = round(v["mb_per_frame"] / base, 2)
         top = ", ".join(f"{k} {d['mb_per_frame']:.2f}" for k, d in list(v["by_kind"].items())[:4])
         print(f"{name:18} {v['kernels']:>12} {v['mb_per_frame']:>12.2f} {v['vs_stream']:>9.2f}   {top}")
+    if "evaluated_ops" in report:
+        ev = report["evaluated_ops"]
+        print(f"\ncompiled step: {ev['mops_per_frame']:.1f} M operations evaluated per stream and new frame "
+              f"(masked branches included); largest fused kernels:")
+        for k in ev["largest"]:
+            print(f"  {k['mops_per_frame']:7.2f} M  {k['values_per_frame']:>7} values x {k['ops_per_value']:>5} ops  "
+                  f"{k['kernel']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     return 0

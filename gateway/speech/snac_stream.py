@@ -62,13 +62,19 @@ bridge's last piece comes only once the exact stream passes it, two frames later
 later than with sliding windows. A bridge decodes 3 frames per bridged frame; its common lengths replay graphs.
 
 Compilation (`compile=True`, `--snac-compile`): the step goes through `torch.compile` (one graph per `masked`
-value, the batch size dynamic), with the depthwise convolutions written as their 7 shifted products so that
-Inductor fuses each with the Snake before it and the history's concatenation into one kernel; the CUDA graphs
-then replay the compiled kernels. The GPU step is bound by its passes over activations, not by arithmetic (on an
-H200, 15 TFLOP/s at B=256 in bfloat16, and bfloat16 only 1.2x faster than float32). Counted on the CPU
-(`bench/snac_work.py`, float32, per stream and new frame): eager, 376 kernels per step moving 76 MB; compiled,
-47 kernels (Inductor's CPU ones) moving 45 MB, 0.59x: predicted ~1.7x less GPU time per frame. Equal to the
-eager step within float rounding (`test_compiled_step_matches_eager`); not yet measured on a GPU.
+value, the batch size dynamic), written for Inductor to fuse (`_Decoder(fusable=True)`): the depthwise
+convolutions as their 7 shifted products, so that each fuses with the Snake before it and the history's
+concatenation, and the residual skips as one select per value instead of in-place adds into slices of the
+branch. The new state is one `cat` of the pieces' tails in both forms: written into slices of one row, Inductor
+made the ~40 slice writes a single kernel over the whole row that evaluates every piece's index arithmetic for
+every value (on an H200 the largest kernel of the compiled step, 2.85 of 9.1 ms at B=256). The CUDA graphs then
+replay the compiled kernels. The GPU step is bound by its passes over activations and by the operations its
+kernels evaluate, not by peak arithmetic (on an H200, 15 TFLOP/s at B=256 in bfloat16, and bfloat16 only 1.2x
+faster than float32). Counted on the CPU (`bench/snac_work.py`, float32, per stream and new frame): eager, 373
+kernels per step moving 77 MB; compiled, 47 kernels (Inductor's CPU ones) moving 40 MB and evaluating 64 M
+operations (113 M with the slice-written state). Measured on an H200 before the state change: 1.53x less GPU
+time than eager in bfloat16 (docs/benchmarks.md). Equal to the eager step within float rounding
+(`test_compiled_step_matches_eager`).
 
 Precision: float32, bfloat16 and float16 (weights, activations and states in that dtype; noise made in float32).
 """
@@ -323,13 +329,14 @@ def _snake(m: Any, device: torch.device, dtype: torch.dtype) -> _Snake:
 class _Decoder:
     """SNAC's decoder as plain tensors, run two ways: a full padded decode and a streaming step."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, depthwise_taps: bool = False) -> None:
-        """`depthwise_taps`: the streaming step's depthwise convolutions as shifted products (for torch.compile)."""
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, fusable: bool = False) -> None:
+        """`fusable`: the streaming step written for torch.compile to fuse (depthwise convolutions as shifted
+        products, residual skips as selects) rather than for eager kernels; the same numbers."""
         if getattr(model, "attn_window_size", None) is not None:
             raise ValueError("SNAC models with local attention (32/44 kHz) are not streamable here")
         if list(model.vq_strides) != [LATENT_PER_FRAME, 2, 1]:
             raise ValueError(f"expected vq_strides [4, 2, 1] (Orpheus' 24 kHz SNAC), got {model.vq_strides}")
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.fusable = device, dtype, fusable
         with torch.no_grad():
             # Per codebook: out_proj(codebook) as a [4096, latent_dim] table; z = sum of three rows per latent frame.
             self.tables = [_tensor(q.out_proj(q.codebook.weight.t()[None])[0].t(), device, dtype)
@@ -352,13 +359,13 @@ class _Decoder:
                                up.padding[0], up.output_padding[0]),
                         None if noise is None else _conv(noise.linear, device, dtype),
                         [_Unit(*(_snake(u.block[0], device, dtype),
-                                 _conv(u.block[1], device, dtype, depthwise_taps),
+                                 _conv(u.block[1], device, dtype, fusable),
                                  _snake(u.block[2], device, dtype), _conv(u.block[3], device, dtype)))
                          for u in units]))
                 elif not self.blocks:
                     if not isinstance(m, torch.nn.Conv1d):
                         raise ValueError(f"unsupported layer before the decoder blocks: {m}")
-                    self.pre.append(_conv(m, device, dtype, depthwise_taps))
+                    self.pre.append(_conv(m, device, dtype, fusable))
                 else:
                     rest.append(m)
             if not (len(rest) == 3 and isinstance(rest[0], Snake1d) and isinstance(rest[2], torch.nn.Tanh)):
@@ -446,37 +453,39 @@ class _Decoder:
         `end`). Rows whose step touches neither edge (`StreamingSnac.needs_mask`) give the same result
         without it, and save those passes over the activations."""
         batch = codes.shape[0]
-        new_state = torch.empty_like(state)
         pieces = iter(self.state_shapes)
         offset = 0
+        # The new state's pieces in `state_shapes` order, written by one `cat` at the end (not into slices of a
+        # row: the module's Compilation says why).
+        tails: list[torch.Tensor] = []
 
-        def take() -> tuple[torch.Tensor, torch.Tensor]:
-            """The next state piece: (old history, where the new history goes), both [B, channels, keep]."""
+        def take() -> torch.Tensor:
+            """The next state piece's old history [B, channels, keep]."""
             nonlocal offset
             channels, keep = next(pieces)
-            size = channels * keep
-            old = state[:, offset:offset + size].view(batch, channels, keep)
-            slot = new_state[:, offset:offset + size].view(batch, channels, keep)
-            offset += size
-            return old, slot
+            old = state[:, offset:offset + channels * keep].view(batch, channels, keep)
+            offset += channels * keep
+            return old
 
         def exchange(fresh: torch.Tensor) -> torch.Tensor:
-            """Kept history + fresh inputs (a convolution's input); stores the new history."""
-            old, slot = take()
+            """Kept history + fresh inputs (a convolution's input); keeps the new history."""
+            old = take()
             joined = torch.cat([old, fresh], dim=2)
-            slot.copy_(joined[..., joined.shape[-1] - old.shape[-1]:])
+            tails.append(joined[..., joined.shape[-1] - old.shape[-1]:].reshape(batch, -1))
             return joined
 
         def add_delayed(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            """y + x delayed by the state piece's length (the residual skip), into y; stores x's tail."""
-            old, slot = take()
+            """y + x delayed by the state piece's length (the residual skip); keeps x's tail."""
+            old = take()
             keep, length = old.shape[-1], x.shape[-1]
             if keep > length:  # pragma: no cover - not in the 24 kHz model (chunks are longer than dilations)
                 joined = torch.cat([old, x], dim=2)
-                slot.copy_(joined[..., length:])
-                return y.add_(joined[..., :length])
-            slot.copy_(x[..., length - keep:])
-            y[..., :keep].add_(old)
+                tails.append(joined[..., length:].reshape(batch, -1))
+                return y + joined[..., :length]
+            tails.append(x[..., length - keep:].reshape(batch, -1))
+            if self.fusable:  # one select per value when compiled; slice adds into y become nested selects
+                return y + torch.cat([old, x[..., :length - keep]], dim=2)
+            y[..., :keep].add_(old)  # eager: no copy of x
             y[..., keep:].add_(x[..., :length - keep])
             return y
 
@@ -512,7 +521,7 @@ class _Decoder:
         audio = torch.tanh(self.final.valid(exchange(self.final_snake(x))))[:, 0, :]
         delay += self.final.pad
         assert delay == self.delay and offset == state.shape[1]
-        return audio, new_state
+        return audio, torch.cat(tails, dim=1)
 
 
 # --- streams ----------------------------------------------------------------------------------------------
@@ -628,7 +637,7 @@ class StreamingSnac:
             raise ValueError("chunk_frames and max_streams must be >= 1")
         self.max_streams = max_streams
         self.chunk_frames = chunk_frames
-        self.decoder = _Decoder(model, self.device, self.dtype, depthwise_taps=compile)
+        self.decoder = _Decoder(model, self.device, self.dtype, fusable=compile)
         self.compiled = compile
         # One compile per `masked` value: the batch dimension is marked dynamic (`_run_packed`) and never 1.
         self._stream = (torch.compile(self.decoder.stream, fullgraph=True, dynamic=False) if compile
