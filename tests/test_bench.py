@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench import fast_start
 from bench.corpus import SIZES, mixed
@@ -182,7 +183,7 @@ def test_snac_profile_runs_and_sorts_kernels_into_kinds(tmp_path: Path) -> None:
     assert snac_profile.main(["--device", "cpu", "--batch", "2", "--steps", "1", "--dtype", "float32",
                               "--variants", "windows,stream", "--out", str(out)]) == 0
     variants = json.loads(out.read_text())["variants"]
-    assert set(variants) == {"windows", "stream"} and all(v["step_us"] > 0 and v["top"] for v in variants.values())
+    assert set(variants) == {"windows", "stream"} and all(v["step_us"] > 0 and v["kernels"] for v in variants.values())
     names = {
         "void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel<1, float, int>": "conv depthwise",
         "triton_poi_fused_add_cat_mul_sin_0": "Inductor",
@@ -223,3 +224,33 @@ def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:
     servers = [{"audio_ms": 5000, "underrun_at_ms": [80, 2400, 4960]}, {"audio_ms": 900, "underrun_at_ms": [200]},
                {"audio_ms": 3000}]
     assert underruns_where(servers) == {"first_second": 2, "middle": 1, "last_100_ms": 1}
+
+
+def test_snac_work_counts_the_selects_a_fused_kernel_evaluates() -> None:
+    """bench.snac_work's evaluated operations: a row written by slice copies (the compiled SNAC step's old state
+    write) becomes a chain of selects that every value evaluates; the same row written by one cat does not."""
+    import torch._inductor.config as inductor_config
+
+    from bench import snac_work
+
+    def by_slices(pieces: list[torch.Tensor]) -> torch.Tensor:
+        row = torch.empty(pieces[0].shape[0], sum(p.shape[1] for p in pieces))
+        at = 0
+        for piece in pieces:
+            row[:, at:at + piece.shape[1]].copy_(piece * 2.0)
+            at += piece.shape[1]
+        return row
+
+    def by_cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p * 2.0 for p in pieces], dim=1)
+
+    pieces = [torch.randn(2, width) for width in (3, 5, 6, 9, 10, 12, 14, 18, 20, 27)]
+    evaluated = {}
+    for write in (by_slices, by_cat):
+        torch._dynamo.reset()
+        with inductor_config.patch(fx_graph_cache=False), snac_work.scheduler_nodes() as graphs:
+            assert torch.equal(torch.compile(write, fullgraph=True)(pieces), by_cat(pieces))
+        evaluated[write.__name__] = sum(values * ops for values, ops, _ in snac_work.evaluated_ops(graphs[-1]))
+    values = sum(p.numel() for p in pieces)
+    assert evaluated["by_cat"] == 3 * values  # load, multiply, store
+    assert evaluated["by_slices"] > 5 * evaluated["by_cat"], evaluated

@@ -12,7 +12,9 @@ graph's launch savings), each kernel's device time summed per step and grouped i
 
 The table says what bounds a step: arithmetic (cuDNN/cuBLAS convolutions and GEMMs), PyTorch's generic depthwise
 kernel, elementwise passes (aten, TorchScript-fused Snake, Inductor's Triton), copies, gathers. The JSON keeps
-the 12 costliest kernels of each variant. On a CPU the same run profiles aten ops by self CPU time (a smoke check
+every kernel of each variant with its time per step (`kernels`, costliest first), and for stream-compiled the
+code Inductor generated is written beside it (`<out>_inductor.py`), so a kernel named in the profile can be read
+after the lease. On a CPU the same run profiles aten ops by self CPU time (a smoke check
 of the script, not a GPU figure).
 """
 
@@ -91,11 +93,19 @@ def profile_steps(run: Any, device: torch.device, steps: int) -> dict[str, Any]:
         kinds[kind][0] += us
         kinds[kind][1] += count
     total = sum(us for us, _ in per_name.values())
-    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:12]
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])
     return {"step_us": round(total, 1), "kernels_per_step": sum(c for _, c in per_name.values()),
             "kinds": {k: {"us": round(us, 1), "share": round(us / total, 3) if total else 0.0, "count": int(n)}
                       for k, (us, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
-            "top": [{"name": name[:160], "us": round(us, 1), "count": count} for name, (us, count) in top]}
+            "kernels": [{"name": name[:200], "us": round(us, 1), "count": count} for name, (us, count) in ranked]}
+
+
+def inductor_code(run: Any) -> str:
+    """The code Inductor generates for `run`'s compiled step (its first call compiles)."""
+    from torch._inductor.utils import run_and_get_code
+
+    _, sources = run_and_get_code(run)
+    return "\n\n# ---- next graph ----\n\n".join(sources)
 
 
 def variant_runs(snac_dir: str, device: torch.device, dtype: str, batch: int, variants: list[str]) -> dict[str, Any]:
@@ -136,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         snac_dir = args.snac_dir or str(build_test_snac(Path(tmp) / "snac"))
         for name, run in variant_runs(snac_dir, device, args.dtype, args.batch, variants).items():
+            if name == "stream-compiled":
+                code = args.out.with_name(f"{args.out.stem}_inductor.py")
+                code.parent.mkdir(parents=True, exist_ok=True)
+                code.write_text(inductor_code(run))
             report["variants"][name] = profile_steps(run, device, args.steps)
     for name, result in report["variants"].items():
         print(f"{name}: {result['step_us'] / 1000:.2f} ms of kernels per step, {result['kernels_per_step']} kernels "
