@@ -36,6 +36,7 @@ from gateway.speech.codec_server import (
     STREAM_HELLO,
     CodecServerSettings,
     CodecStreamClient,
+    DecoderSettings,
     StreamCodecServer,
     codec_server_env,
 )
@@ -51,8 +52,8 @@ def server_path(tmp_path: Path) -> Path:
 
 
 def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
-    settings = CodecServerSettings(socket=str(tmp_path / "s.sock"), snac_model="x", snac_dtype="bfloat16",
-                                   cuda_graphs=False, max_batch=8, max_streams=96, compile=True)
+    settings = CodecServerSettings(socket=str(tmp_path / "s.sock"), decoder=DecoderSettings(
+        snac_model="x", snac_dtype="bfloat16", cuda_graphs=False, max_batch=8, max_streams=96, compile=True))
     env = codec_server_env(settings)
     assert CodecServerSettings.from_env(env[SERVER_ENV]) == settings
 
@@ -68,14 +69,19 @@ def test_bad_placements_are_refused(overrides: dict[str, object], message: str) 
         from_sources(env={}, **overrides)
 
 
-def test_server_process_without_settings_exits_with_a_message() -> None:
+@pytest.mark.parametrize(("settings", "message"), [
+    (None, f"{SERVER_ENV} is not set"),
+    ('{"socket": "/tmp/x.sock", "snac_model": "x"}', f"{SERVER_ENV} is not CodecServerSettings JSON"),  # flat
+    ("{not json", f"{SERVER_ENV} is not CodecServerSettings JSON"),
+])
+def test_server_process_without_valid_settings_exits_with_a_message(settings: str | None, message: str) -> None:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
+    env = {k: v for k, v in os.environ.items() if k != SERVER_ENV} | ({SERVER_ENV: settings} if settings else {})
     done = subprocess.run([sys.executable, "-m", "gateway.cluster.snac_process"], env=env, capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 2 and f"{SERVER_ENV} is not set" in done.stderr
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
 # --- the stream protocol ------------------------------------------------------------------------------------

@@ -63,7 +63,12 @@ def main() -> int:
     if not text:
         log.error("%s is not set: nothing to serve", SERVER_ENV)
         return 2
-    asyncio.run(serve(CodecServerSettings.from_env(text)))
+    try:
+        settings = CodecServerSettings.from_env(text)
+    except (ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors
+        log.error("%s is not CodecServerSettings JSON (docs/operations.md): %r", SERVER_ENV, exc)
+        return 2
+    asyncio.run(serve(settings))
     return 0
 
 

@@ -46,9 +46,9 @@ from gateway.config import GatewayConfig, validate
 from gateway.edge.http import GATEWAY_KEY, json_error
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH, merge_worker_expositions
-from gateway.speech.codec_server import codec_server_env
+from gateway.speech.codec_server import CodecServerSettings, codec_server_env
 from gateway.speech.engine import vllm_serve_flags
-from gateway.speech.synthesizer import codec_server_settings
+from gateway.speech.synthesizer import decoder_settings
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class Supervisor:
         snac_socket = config.snac_socket
         if config.snac_placement == "shared":  # one SNAC process decodes for every worker
             snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
-            codec_env = codec_server_env(codec_server_settings(config, snac_socket))
+            codec_env = codec_server_env(CodecServerSettings(snac_socket, decoder_settings(config)))
             self.children.append(Child("snac server", [sys.executable, "-m", "gateway.cluster.snac_process"],
                                        {**os.environ, **codec_env}))
         if not urls:

@@ -74,12 +74,10 @@ LEAD_MS_LIMIT = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
-class CodecServerSettings:
-    """What a SNAC decoder needs, made from the gateway's config by `synthesizer.codec_server_settings`: a gateway
-    process loads its own decoder from it, and the supervisor hands it to the SNAC process in SERVER_ENV (`socket`:
-    where that one serves; unused in a gateway process)."""
+class DecoderSettings:
+    """What a SNAC stream decoder needs, made from the gateway's config by `synthesizer.decoder_settings`: a
+    gateway process loads its own decoder from it, the shared SNAC process its one for every worker."""
 
-    socket: str
     snac_model: str
     device: str = "auto"
     snac_dtype: str = "auto"
@@ -88,12 +86,22 @@ class CodecServerSettings:
     max_streams: int = 512  # stream slots, for the sentences of all workers together
     compile: bool = False  # the step through torch.compile (the gateway's snac_compile)
 
+
+@dataclass(frozen=True)
+class CodecServerSettings:
+    """The shared SNAC process's settings, handed over by the supervisor in SERVER_ENV: where it serves, and its
+    decoder."""
+
+    socket: str
+    decoder: DecoderSettings
+
     def to_env(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_env(cls, text: str) -> CodecServerSettings:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(socket=fields["socket"], decoder=DecoderSettings(**fields["decoder"]))
 
 
 class ProtocolError(RuntimeError):
@@ -118,7 +126,7 @@ class StreamCodecServer:
 
     @classmethod
     def load(cls, settings: CodecServerSettings) -> StreamCodecServer:
-        return cls(load_stream_decoder(settings), settings.socket)
+        return cls(load_stream_decoder(settings.decoder), settings.socket)
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -465,7 +473,7 @@ class _StreamLink:
             raise ConnectionError(f"SNAC server at {self.path} closed the connection") from exc
 
 
-def load_stream_decoder(settings: CodecServerSettings) -> StreamDecoder:
+def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
     """The exact streaming decoder as the settings say: served, or in a gateway process."""
     from gateway.speech.snac_stream import StreamingSnac  # torch: only in the process that decodes
 

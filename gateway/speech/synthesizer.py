@@ -31,7 +31,7 @@ from gateway.orpheus import (
     split_sentences,
 )
 from gateway.speech.checkpoints import require_checkpoint
-from gateway.speech.codec_server import CodecServerSettings, CodecStreamClient, load_stream_decoder, wait_for_server
+from gateway.speech.codec_server import CodecStreamClient, DecoderSettings, load_stream_decoder, wait_for_server
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream, StreamDecoder
@@ -394,7 +394,7 @@ def _stream_decoder(config: GatewayConfig) -> StreamDecoding:
     """The streaming decoder in this process, or a client of the shared one (`--snac-socket`)."""
     if config.snac_socket:
         return CodecStreamClient(config.snac_socket)
-    return load_stream_decoder(codec_server_settings(config))
+    return load_stream_decoder(decoder_settings(config))
 
 
 def _stream_slots(config: GatewayConfig) -> int:
@@ -402,12 +402,11 @@ def _stream_slots(config: GatewayConfig) -> int:
     return config.max_num_seqs * config.data_parallel_size + STREAM_SLOT_SPARE
 
 
-def codec_server_settings(config: GatewayConfig, path: str = "") -> CodecServerSettings:
-    """The SNAC decoder of this configuration: this process's own, or the shared one, served on `path`."""
-    return CodecServerSettings(socket=path, snac_model=config.snac_model, device=config.snac_device,
-                               snac_dtype=config.snac_dtype, cuda_graphs=config.snac_cuda_graphs,
-                               max_batch=config.decode_max_batch, max_streams=_stream_slots(config),
-                               compile=config.snac_compile)
+def decoder_settings(config: GatewayConfig) -> DecoderSettings:
+    """The SNAC decoder of this configuration: this process's own, or the shared one."""
+    return DecoderSettings(snac_model=config.snac_model, device=config.snac_device, snac_dtype=config.snac_dtype,
+                           cuda_graphs=config.snac_cuda_graphs, max_batch=config.decode_max_batch,
+                           max_streams=_stream_slots(config), compile=config.snac_compile)
 
 
 async def _aiter(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
