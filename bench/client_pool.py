@@ -114,7 +114,8 @@ async def _child_loop(conn: Connection) -> None:
             return
         _, base_url, workload, options = message
         try:
-            peers = await webrtc_level.connect_all(base_url, len(workload), options.connect_concurrency)
+            peers = await webrtc_level.connect_all(base_url, len(workload), options.connect_concurrency,
+                                                   options.listener_buffer_ms)
         except Exception as exc:  # report, don't leave the parent waiting
             conn.send(("failed", f"connect: {type(exc).__name__}: {exc}"))
             continue

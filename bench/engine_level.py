@@ -55,7 +55,7 @@ async def _run_user(synth: Synthesizer, requests: Sequence[PlannedRequest], opti
 
 async def _run_request(synth: Synthesizer, request: PlannedRequest, options: BenchOptions, origin: float
                        ) -> RequestRecord:
-    stats = TimedStats()
+    stats = TimedStats(listener_buffer_s=options.listener_buffer_ms / MS)  # the decoder's deadlines count it
     record = new_record(request, stats.started - origin)
     arrivals: list[tuple[float, float]] = []
     try:

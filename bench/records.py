@@ -65,8 +65,10 @@ def new_record(request: PlannedRequest, sent_at_s: float) -> RequestRecord:
 
 
 def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]], buffers_ms: Sequence[int],
-                   tolerance_ms: float, keep: bool) -> None:
-    """Fill the audio figures of `record` from its arrivals (seconds after sending, seconds of audio)."""
+                   tolerance_ms: float, keep: bool, held_ms: int = 0) -> None:
+    """Fill the audio figures of `record` from its arrivals (seconds after sending, seconds of audio). The stall
+    view of buffer b is a listener holding b ms in all, of which `held_ms` were held before these arrivals (the
+    server's jitter buffer, for frames received over WebRTC): the arrivals are played with b - held_ms more."""
     record.chunks = len(arrivals)
     record.audio_s = round(sum(d for _, d in arrivals), 4)
     if arrivals:
@@ -75,7 +77,7 @@ def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]
         record.max_gap_ms = between["max"]
         record.gap_p95_ms = between["p95"]
     for buffer_ms in buffers_ms:
-        played = simulate_playback(arrivals, buffer_ms / MS, tolerance_ms / MS)
+        played = simulate_playback(arrivals, (buffer_ms - held_ms) / MS, tolerance_ms / MS)
         record.playback[str(buffer_ms)] = {
             "stalled": played.stalled, "stalls": played.stalls, "stall_ms": round(played.stall_s * MS, 2),
             "max_late_ms": round(played.max_late_s * MS, 2)}
@@ -85,13 +87,14 @@ def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]
         record.arrivals = [(round(t * MS, 2), round(d * MS, 2)) for t, d in arrivals]
 
 
-def count_server_underruns(record: RequestRecord) -> None:
-    """WebRTC: at 0 ms a server underrun is a stall, whether or not the client's frame times show it. Peers ask for
-    `jitter_buffer_ms=0`, so the server's 0 ms view is the listener's, and the silence it sent is in the stream;
-    but Opus' spill makes a one-frame underrun read as audio at the client (bench/README.md, WebRTC frame
-    accounting), which hid most of them (2026-12-03 H200 run: 83 requests with server underruns at 128 peers,
-    25 client stalls). Buffered views keep the client's figures: their buffer absorbs the lateness."""
-    played = record.playback.get("0")
+def count_server_underruns(record: RequestRecord, listener_buffer_ms: int = 0) -> None:
+    """WebRTC: in the view of the server's own buffer (`listener_buffer_ms`, what the peers asked for; the client
+    adds nothing) a server underrun is a stall, whether or not the client's frame times show it: the server's view
+    is the listener's, and the silence it sent is in the stream; but Opus' spill makes a one-frame underrun read as
+    audio at the client (bench/README.md, WebRTC frame accounting), which hid most of them (2026-12-03 H200 run:
+    83 requests with server underruns at 128 peers, 25 client stalls). Larger views keep the client's figures:
+    their client-side buffer absorbs the lateness."""
+    played = record.playback.get(str(listener_buffer_ms))
     server = record.server or {}
     underruns = server.get("underruns") or 0
     if played is None or not underruns:

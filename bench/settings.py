@@ -55,6 +55,7 @@ class BenchOptions:
     streaming_users: list[int] = field(default_factory=lambda: list(GPU_SWEEPS[STREAMING]))
     phrases_per_user: int = 1
     buffers_ms: list[int] = field(default_factory=lambda: list(DEFAULT_BUFFERS_MS))
+    listener_buffer_ms: int = 0  # what the gateway is told the listener holds (see `--listener-buffer-ms`)
     tokens_per_char: float = 0.0  # 0: the model decides when to stop
     bench_seed: int = 0
     warmup: int = 1
@@ -79,6 +80,16 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
     return values
+
+
+def _milliseconds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
 
 
 def _scenario_list(text: str) -> list[str]:
@@ -128,6 +139,12 @@ def _add_bench_arguments(group: Any) -> None:
     group.add_argument("--phrases-per-user", type=int, default=1, help="streaming: phrases each user speaks in turn")
     group.add_argument("--buffers-ms", type=_int_list, default=list(DEFAULT_BUFFERS_MS), metavar="MS,MS,...",
                        help=f"client buffers of the stall check [default: {_csv(DEFAULT_BUFFERS_MS)}]")
+    group.add_argument("--listener-buffer-ms", type=_milliseconds, default=0, metavar="MS",
+                       help="the buffer the gateway is told its listeners hold: engine level, the decoder's lead "
+                            "(it orders streams and bridges by it); webrtc, the peers' jitter_buffer_ms (the "
+                            "server's playout holds it). The stall views of --buffers-ms are total buffers, so "
+                            "those below it are dropped; 0: the gateway plays at once, the views are client-side "
+                            "[default: 0]")
     group.add_argument("--stall-tolerance-ms", type=float, default=DEFAULT_STALL_TOLERANCE_MS,
                        help=f"lateness that is not yet a stall [default: {DEFAULT_STALL_TOLERANCE_MS}]")
     group.add_argument("--tokens-per-char", type=float, default=None,
@@ -173,6 +190,15 @@ def _tokens_per_char(args: argparse.Namespace, model_default: float) -> float:
     return model_default
 
 
+def listened_buffers(buffers_ms: list[int], listener_buffer_ms: int) -> list[int]:
+    """The stall views a run can show: total listener buffers, so none below the one the gateway holds."""
+    kept = [b for b in buffers_ms if b >= listener_buffer_ms]
+    if not kept:
+        raise SystemExit(f"--buffers-ms {_csv(buffers_ms)}: none is >= --listener-buffer-ms {listener_buffer_ms}, "
+                         "so no stall view is left")
+    return kept
+
+
 def options_from_args(args: argparse.Namespace, default_tokens_per_char: float) -> BenchOptions:
     """`default_tokens_per_char`: the model's budget rule (0 for a trained model, which stops by itself)."""
     sweeps = QUICK_SWEEPS if args.quick else GPU_SWEEPS
@@ -185,7 +211,8 @@ def options_from_args(args: argparse.Namespace, default_tokens_per_char: float) 
         stress_concurrency=chosen[STRESS], ttfa_concurrency=chosen[TTFA], max_users=chosen[MAX_USERS],
         streaming_users=chosen[STREAMING],
         phrases_per_user=args.phrases_per_user,
-        buffers_ms=args.buffers_ms,
+        buffers_ms=listened_buffers(args.buffers_ms, args.listener_buffer_ms),
+        listener_buffer_ms=args.listener_buffer_ms,
         tokens_per_char=_tokens_per_char(args, default_tokens_per_char),
         bench_seed=args.bench_seed,
         warmup=args.warmup,

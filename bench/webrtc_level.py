@@ -1,7 +1,8 @@
 """WebRTC level: the real gateway app on 127.0.0.1, N `HeadlessPeer`s over loopback, end to end.
 
-Peers ask for `jitter_buffer_ms=0`, so the server plays audio the moment it has it and the received frame
-times show raw delivery; the client-side buffers of the stall check are then applied to those times.
+Peers ask for `jitter_buffer_ms` = `--listener-buffer-ms` (default 0: the server plays audio the moment it has
+it and the received frame times show raw delivery); the stall check's views are total buffers, of which the
+client side holds what the server did not.
 The playout track sends silence when it has nothing, so only audible frames count as audio: an utterance's
 audio is its audible frames from the first one after the `speak` to the `done` event (plus a grace period
 for frames still in flight when `done` arrives on the data channel), corrected for what Opus does to the
@@ -65,7 +66,7 @@ class LocalGateway:
 async def run_point(base_url: str, workload: Sequence[Sequence[PlannedRequest]], options: BenchOptions
                     ) -> list[RequestRecord]:
     """Connect one peer per user (in this process), then all users speak at once, each its phrases in turn."""
-    peers = await connect_all(base_url, len(workload), options.connect_concurrency)
+    peers = await connect_all(base_url, len(workload), options.connect_concurrency, options.listener_buffer_ms)
     try:
         await asyncio.sleep(SETTLE_S)
         return await speak_all(peers, workload, options, time.monotonic())
@@ -81,12 +82,13 @@ async def speak_all(peers: Sequence[HeadlessPeer | BaseException], workload: Seq
     return [record for records in per_user for record in records]
 
 
-async def connect_all(base_url: str, count: int, concurrency: int) -> list[HeadlessPeer | BaseException]:
+async def connect_all(base_url: str, count: int, concurrency: int, jitter_buffer_ms: int = 0
+                      ) -> list[HeadlessPeer | BaseException]:
     gate = asyncio.Semaphore(concurrency)  # hundreds of simultaneous ICE/DTLS handshakes starve the loop
 
     async def connect() -> HeadlessPeer | BaseException:
         async with gate:
-            peer = HeadlessPeer(base_url, jitter_buffer_ms=0)
+            peer = HeadlessPeer(base_url, jitter_buffer_ms=jitter_buffer_ms)
             try:
                 await peer.connect(timeout=CONNECT_TIMEOUT_S)
             except Exception as exc:
@@ -148,8 +150,9 @@ async def _speak_one(peer: HeadlessPeer, request: PlannedRequest, options: Bench
     record.endings = len(endings.terminal)
     if endings.out_of_order and record.error is None:
         record.error = "events_out_of_order"
-    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals)
-    count_server_underruns(record)
+    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals,
+                   held_ms=options.listener_buffer_ms)
+    count_server_underruns(record, options.listener_buffer_ms)
     return record
 
 

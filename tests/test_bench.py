@@ -218,6 +218,48 @@ def test_a_server_underrun_is_a_stall_at_0_ms_only() -> None:
     assert not underran.playback["500"]["stalled"]
 
 
+@pytest.mark.engine
+async def test_webrtc_peers_ask_for_the_listener_buffer(synthesizer: Synthesizer,
+                                                         test_config: GatewayConfig) -> None:
+    """--listener-buffer-ms reaches the server: the bench's peers ask for it and the session's `ready` says so."""
+    from bench.webrtc_level import LocalGateway, close_all, connect_all
+    from gateway.devtools.client import HeadlessPeer
+
+    async with LocalGateway(test_config, synthesizer) as gateway:
+        peers = await connect_all(gateway.base_url, 2, 2, jitter_buffer_ms=300)
+        try:
+            assert all(isinstance(p, HeadlessPeer) for p in peers)
+            assert [p.find("ready")[0].message["jitter_buffer_ms"] for p in peers  # type: ignore[union-attr]
+                    ] == [300, 300]
+        finally:
+            await close_all(gateway.base_url, peers)
+
+
+def test_a_listener_buffer_the_gateway_holds_sets_the_stall_views() -> None:
+    """--listener-buffer-ms: the stall views are total buffers (none below the one the gateway holds); over WebRTC
+    the server held that much, so the client side plays with the rest, and the server's underruns count in the
+    view of its own buffer."""
+    from bench.records import RequestRecord, apply_arrivals, count_server_underruns
+
+    options = parse_options(["--listener-buffer-ms", "500"])
+    assert (options.listener_buffer_ms, options.buffers_ms) == (500, [500])
+    assert parse_options(["--listener-buffer-ms", "300", "--buffers-ms", "0,300,800"]).buffers_ms == [300, 800]
+    for bad in (["--listener-buffer-ms", "500", "--buffers-ms", "0,200"], ["--listener-buffer-ms", "-5"]):
+        with pytest.raises(SystemExit):
+            parse_options(bad)
+
+    late = [(0.1 + 0.02 * i + (0.3 if i >= 10 else 0.0), 0.02) for i in range(50)]  # frame 10 300 ms late
+    record = RequestRecord(user=0, index=0, lang="en", size="short", chars=10, sent_at_s=0.0)
+    apply_arrivals(record, late, [500, 1000], 10.0, keep=False, held_ms=500)
+    record.server = {"underruns": 1, "underrun_ms": 300}
+    count_server_underruns(record, 500)
+    assert record.playback["500"]["stalled"] and record.playback["500"]["server_underruns"] == 1
+    assert not record.playback["1000"]["stalled"]  # 500 ms more at the client absorb it
+    unheld = RequestRecord(user=0, index=0, lang="en", size="short", chars=10, sent_at_s=0.0)
+    apply_arrivals(unheld, late, [500], 10.0, keep=False)
+    assert not unheld.playback["500"]["stalled"]  # the same arrivals, 500 ms buffered at the client
+
+
 def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:
     from bench.records import underruns_where
 
