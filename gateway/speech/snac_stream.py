@@ -653,6 +653,11 @@ class StreamingSnac:
         self._graphs: dict[tuple[bool, int], _StepGraph] = {}  # (masked, batch) -> graph
         self._bridge_graphs: dict[tuple[int, int], _StepGraph] = {}  # (frames, batch) -> graph
         self._host_buffers: dict[tuple[str, int], torch.Tensor] = {}  # per launch of a tick (pinned on CUDA)
+        # The tick's wait for the GPU. A blocking event: the thread sleeps until the step is done, where a stream
+        # sync spins (CUDA's default with fewer contexts than cores) and holds a core for the whole GPU step. The
+        # decoder thread used ~2/3 of a core at 384 streams on the H200 (2026-12-04), its host work ~1.4 ms per
+        # tick of that (bench.decoder_host): the rest was spinning.
+        self._tick_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self.stats = StreamStats()
 
     @classmethod
@@ -858,8 +863,9 @@ class StreamingSnac:
             audio, pcm = self._launch(self._to_device(rows, part), masked)
             # Copied out in stream order, before the next launch may reuse the graphs' shared output memory.
             results.append((group, self._to_host(audio if as_float else pcm, part)))
-        if self.device.type == "cuda" and launches:
-            torch.cuda.current_stream(self.device).synchronize()  # one host sync for all of the tick's launches
+        if self._tick_done is not None and launches:  # one host sync for all of the tick's launches
+            self._tick_done.record(torch.cuda.current_stream(self.device))
+            self._tick_done.synchronize()
         for group, reused in results:
             data = reused.copy()  # the pieces handed out are views of it; the next tick overwrites the buffer
             for r, (i, h) in enumerate(group):
