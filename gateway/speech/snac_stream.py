@@ -750,6 +750,16 @@ class StreamingSnac:
                                           device=self.device)
                     self._bridge_graphs[frames, size] = _StepGraph(run, padding, pool, capture=pool is not None)
 
+    def precompile(self) -> None:
+        """With `compile`, compile both step graphs now (a padded step on the scratch slot each) instead of in the
+        first utterance's tick (minutes on a small CPU), so a compiler that cannot work fails at start-up. A no-op
+        once graphs are set up: their capture (`capture_graphs`) compiled them."""
+        if not self.compiled or self._graphs:
+            return
+        with torch.inference_mode():
+            for masked in (True, False):
+                self._run_packed(self._padding_rows(COMPILED_MIN_BATCH), masked)
+
     def _padding_rows(self, rows: int) -> torch.Tensor:
         padding = torch.zeros((rows, self._width), dtype=torch.int64, device=self.device)
         padding[:, self._codes_width] = self.max_streams
