@@ -106,9 +106,9 @@ class GatewayConfig:
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
     snac_compile: bool = _opt(False, "Compile the exact decoder's step with torch.compile: "
                               "Inductor fuses the Snakes, history copies, masks, noise and depthwise convolutions "
-                              "(counted on the CPU: 0.59x the bytes moved per frame, 47 kernels per step instead "
-                              "of 376; bench/snac_work.py). Adds its compile time to start-up; off until measured "
-                              "on a GPU.")
+                              "(on an H200, 1.53x less SNAC GPU time than eager in bfloat16; docs/benchmarks.md). "
+                              "Adds its compile time to start-up; off until a GPU shows it exact after the "
+                              "2026-12-05 fixes.")
     snac_placement: str = _opt("shared", "Where SNAC decodes. shared: with --workers, one SNAC process serves every "
                                "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
                                "which the GPU would time-slice; fewer underruns on an H200, docs/benchmarks.md); in "
