@@ -421,6 +421,18 @@ def seam_figures(audio: np.ndarray, reference: np.ndarray, seams: list[int], cro
     }
 
 
+def test_bridge_audio_outlives_the_next_bridge_decode(decoder: StreamingSnac,
+                                                      utterances: dict[int, Utterance]) -> None:
+    """A bridge decode's audio comes through a host buffer the next decode of its length reuses (pinned on a
+    GPU): what it handed out must not change when the next one runs."""
+    first, second = utterances[17], utterances[25]
+    audio = decoder._bridge_decode([first.frames[:3]], [0], [first.seed])
+    kept = audio.copy()
+    decoder._bridge_decode([second.frames[:3]], [0], [second.seed])
+    assert np.array_equal(audio, kept) and not np.array_equal(
+        audio, decoder._bridge_decode([second.frames[:3]], [0], [second.seed]))
+
+
 @pytest.mark.parametrize(("start_lookahead", "crossfade", "bridge_until", "handover", "first_exact"), [
     (1, 256, None, SAMPLES_PER_FRAME, 4),  # one frame once two are in
     (0, 256, None, SAMPLES_PER_FRAME - 256, 4),  # at once from one frame

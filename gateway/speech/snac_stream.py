@@ -652,12 +652,13 @@ class StreamingSnac:
         self._width = self._codes_width + 4  # codes, slot, first frame, end (frames), seed
         self._graphs: dict[tuple[bool, int], _StepGraph] = {}  # (masked, batch) -> graph
         self._bridge_graphs: dict[tuple[int, int], _StepGraph] = {}  # (frames, batch) -> graph
-        self._host_buffers: dict[tuple[str, int], torch.Tensor] = {}  # per launch of a tick (pinned on CUDA)
-        # The tick's wait for the GPU. A blocking event: the thread sleeps until the step is done, where a stream
-        # sync spins (CUDA's default with fewer contexts than cores) and holds a core for the whole GPU step. The
-        # decoder thread used ~2/3 of a core at 384 streams on the H200 (2026-12-04), its host work ~1.4 ms per
-        # tick of that (bench.decoder_host): the rest was spinning.
-        self._tick_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
+        # Per launch of a tick and per bridge length (pinned on CUDA).
+        self._host_buffers: dict[tuple[str, int], torch.Tensor] = {}
+        # The wait for the GPU (a tick's steps, a bridge decode). A blocking event: the thread sleeps until the
+        # work is done, where a stream sync spins (CUDA's default with fewer contexts than cores) and holds a core
+        # all along. The decoder thread used ~2/3 of a core at 384 streams on the H200 (2026-12-04), its host work
+        # ~1.4 ms per tick of that (bench.decoder_host): the rest was spinning.
+        self._device_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self.stats = StreamStats()
 
     @classmethod
@@ -721,7 +722,9 @@ class StreamingSnac:
             else:
                 self.stats.bridge_graphed += 1
                 audio, _ = self._bridge_graphs[frames, bucket](packed)
-            return audio.cpu().numpy()
+            host = self._to_host(audio, ("bridge", frames))
+            self._wait_for_device()
+            return host.copy()  # the host buffer serves the next bridge decode of this length
 
     def capture_graphs(self, max_batch: int | None = None, buckets: Sequence[int] = GRAPH_BATCH_BUCKETS, *,
                        emulate: bool = False) -> None:
@@ -872,10 +875,9 @@ class StreamingSnac:
                               h.received if h.finished else OPEN_END, h.seed] for _, h in group], dtype=np.int64)
             audio, pcm = self._launch(self._to_device(rows, part), masked)
             # Copied out in stream order, before the next launch may reuse the graphs' shared output memory.
-            results.append((group, self._to_host(audio if as_float else pcm, part)))
-        if self._tick_done is not None and launches:  # one host sync for all of the tick's launches
-            self._tick_done.record(torch.cuda.current_stream(self.device))
-            self._tick_done.synchronize()
+            results.append((group, self._to_host(audio if as_float else pcm, ("out", part), self._max_rows())))
+        if launches:
+            self._wait_for_device()  # one host sync for all of the tick's launches
         for group, reused in results:
             data = reused.copy()  # the pieces handed out are views of it; the next tick overwrites the buffer
             for r, (i, h) in enumerate(group):
@@ -896,15 +898,21 @@ class StreamingSnac:
         staging.numpy()[:] = rows
         return staging.to(self.device, non_blocking=True)
 
-    def _to_host(self, result: torch.Tensor, part: int) -> np.ndarray:
-        """The launch's output in a host buffer of its own that every tick reuses (on every device, so the CPU
-        tests see the reuse the GPU has): on CUDA a pinned buffer and an asynchronous copy, valid after the
-        tick's sync."""
+    def _to_host(self, result: torch.Tensor, key: tuple[str, int], capacity: int = 0) -> np.ndarray:
+        """A launch's output in the host buffer `key` names (of at least `capacity` rows), which every later launch
+        of its kind reuses (on every device, so the CPU tests see the reuse the GPU has): on CUDA a pinned buffer
+        and an asynchronous copy, valid after `_wait_for_device`."""
         cuda = self.device.type == "cuda"
-        host = self._host_buffer(("out", part), (self._max_rows(), result.shape[1]), result.dtype,
+        host = self._host_buffer(key, (max(capacity, result.shape[0]), result.shape[1]), result.dtype,
                                  pinned=cuda)[:result.shape[0]]
         host.copy_(result, non_blocking=cuda)
         return host.numpy()
+
+    def _wait_for_device(self) -> None:
+        """Until the device has done what was launched (on CUDA: on a blocking event, `_device_done`)."""
+        if self._device_done is not None:
+            self._device_done.record(torch.cuda.current_stream(self.device))
+            self._device_done.synchronize()
 
     def _host_buffer(self, key: tuple[str, int], shape: tuple[int, int], dtype: torch.dtype,
                      pinned: bool) -> torch.Tensor:
