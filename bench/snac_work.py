@@ -20,11 +20,14 @@ sizes (`--batches`), so the weights, read once per kernel whatever the batch, dr
 
 The predicted GPU gain of a variant, if the step stays bound by memory traffic, is the ratio of bytes per stream.
 
-Bytes miss one cost: a GPU kernel evaluates both branches of every select for every value (Triton masks loads,
-it does not skip them), so a fused kernel full of selects can cost far more than its bytes (the compiled step's
-old state write: 2.85 of 9.1 ms on an H200). For the compiled step this also counts the operations Inductor's
-fused kernels evaluate per stream and new frame: each scheduler node's values times the distinct operations of
-its loop body and masked sub-blocks, and the largest kernels by that count.
+Bytes miss what a fused kernel computes: a GPU kernel evaluates both branches of every select for every value
+(Triton masks loads, it does not skip them), and a value inlined into several users is recomputed in each (the
+compiled step's old state write: 2.85 of 9.1 ms on an H200). For the compiled step this also counts, per stream
+and new frame, what Inductor's fused kernels evaluate when the step is compiled with its cats lowered as for a
+GPU (`cuda_cat_lowering`; on the CPU every cat is a copy, on a GPU a small one is a select inlined into its
+users): each scheduler node's values times the distinct operations of its loop body and masked sub-blocks, the
+sines among them (a Snake's, once per activation value unless recomputed), the values written, and the
+largest kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +179,20 @@ def _distinct_ops(graph: torch.fx.Graph) -> int:
 NOT_COUNTED_OPS = {"get_index", "constant", "index_expr", "output"}
 
 
-def evaluated_ops(nodes: list[Any]) -> list[tuple[int, int, str]]:
-    """(values computed, distinct operations per value, node) of each Inductor scheduler node: its loop body and
-    its masked sub-blocks (a select's branches), all counted, as a GPU kernel evaluates every branch for every
-    value (Triton masks loads, it does not skip them)."""
+@dataclass
+class NodeWork:
+    """What one Inductor scheduler node computes (`evaluated_ops`)."""
+
+    values: int  # values computed (its loop's size)
+    ops: int  # distinct operations per value, masked sub-blocks included
+    sins: int  # of them, sines per value (Snake's; recomputed ones show here)
+    written: int  # values written to memory (buffers it realizes)
+    kernel: str  # the fused kernel it belongs to
+
+
+def evaluated_ops(nodes: list[Any]) -> list[NodeWork]:
+    """Each Inductor scheduler node's work: its loop body and masked sub-blocks (a select's branches) all
+    counted, as a GPU kernel evaluates every branch for every value (Triton masks loads, it does not skip them)."""
     rows = []
     for group in nodes:
         for node in group.get_nodes():
@@ -187,8 +201,37 @@ def evaluated_ops(nodes: list[Any]) -> list[tuple[int, int, str]]:
                 continue
             values = math.prod(int(n) for sizes in node._sizes for n in sizes)
             graphs = [body.root_block.graph, *(block.graph for block in body.subblocks.values())]
-            rows.append((values, sum(_distinct_ops(g) for g in graphs), group.get_name()))
+            sins = sum(1 for g in graphs for n in g.nodes if n.target == "sin")
+            rows.append(NodeWork(values, sum(_distinct_ops(g) for g in graphs), sins,
+                                 values * len(node.read_writes.writes), group.get_name()))
     return rows
+
+
+@contextlib.contextmanager
+def cuda_cat_lowering() -> Iterator[None]:
+    """Inductor lowers a `cat` of CPU tensors always as copies into slices of one buffer; of CUDA tensors, a cat
+    of up to 8 inputs whose users are pointwise becomes a select per value inlined into each user
+    (`pointwise_cat`), which decides, e.g., whether a convolution's 7 taps recompute their input. Within the
+    block CPU tensors' cats are lowered as CUDA ones would be: Inductor's own `cat` lowering with its CPU test
+    off (a private hook; it refuses a torch whose lowering reads otherwise)."""
+    import inspect
+
+    from torch._inductor import lowering
+
+    source = inspect.getsource(lowering.cat)
+    cpu_test = 'cpu_device = inputs[0].get_device().type == "cpu"'
+    if cpu_test not in source:
+        raise RuntimeError(f"this torch's Inductor cat lowering has no `{cpu_test}`: update cuda_cat_lowering")
+    source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))  # its registration
+    namespace = dict(vars(lowering))
+    exec(source.replace(cpu_test, "cpu_device = False"), namespace)  # Inductor's own source, one line changed
+    ops = [op for op in (torch.ops.aten.cat.default, torch.ops.aten.cat) if op in lowering.lowerings]
+    saved = {op: lowering.lowerings[op] for op in ops}
+    lowering.lowerings.update({op: namespace["cat"] for op in ops})
+    try:
+        yield
+    finally:
+        lowering.lowerings.update(saved)
 
 
 @contextlib.contextmanager
@@ -211,16 +254,15 @@ def scheduler_nodes() -> Iterator[list[list[Any]]]:
         scheduler.Scheduler.__init__ = init  # type: ignore[method-assign]
 
 
-def count_compiled(snac: StreamingSnac, batch: int) -> tuple[list[tuple[str, int]], list[tuple[int, int, str]]]:
+def count_compiled(snac: StreamingSnac, batch: int) -> list[tuple[str, int]]:
     """Kernels of Inductor's code for the unmasked step at `batch` rows, each with the bytes of its buffer
-    arguments and its output (element size: the decoder's dtype; the int64 positions count as that too); and
-    the operations its fused kernels evaluate (`evaluated_ops`)."""
+    arguments and its output (element size: the decoder's dtype; the int64 positions count as that too)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     step = torch.compile(snac.decoder.stream, fullgraph=True, dynamic=False)
-    with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False), scheduler_nodes() as graphs:
+    with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False):
         _, sources = run_and_get_code(step, *_inputs(snac, batch), False)
     code = "\n".join(sources)
     call = code[code.index("def call("):]
@@ -241,7 +283,19 @@ def count_compiled(snac: StreamingSnac, batch: int) -> tuple[list[tuple[str, int
         kind = "conv (aten)" if kernel.startswith("extern_kernels.conv") else (
             "other (aten)" if kernel.startswith("extern") else "fused (Inductor)")
         ops.append((kind, sum(shapes.get(n, 0) for n in names) * size))
-    return ops, evaluated_ops(graphs[-1])
+    return ops
+
+
+def count_evaluated(snac: StreamingSnac, batch: int) -> list[NodeWork]:
+    """`evaluated_ops` of the unmasked step at `batch` rows, compiled with its cats lowered as for a GPU."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    step = torch.compile(snac.decoder.stream, fullgraph=True, dynamic=False)
+    with (torch.inference_mode(), inductor_config.patch(fx_graph_cache=False), cuda_cat_lowering(),
+          scheduler_nodes() as graphs):
+        step(*_inputs(snac, batch), False)
+    return evaluated_ops(graphs[-1])
 
 
 def per_stream(small: list[tuple[str, int]], large: list[tuple[str, int]], batches: tuple[int, int],
@@ -259,20 +313,29 @@ def per_stream(small: list[tuple[str, int]], large: list[tuple[str, int]], batch
             "mb_per_frame": round(sum(v["mb_per_frame"] for v in table.values()), 3), "by_kind": table}
 
 
-def evaluated_per_stream(small: list[tuple[int, int, str]], large: list[tuple[int, int, str]], rows: int,
-                         top: int = 6) -> dict[str, Any]:
-    """Operations evaluated per stream and new frame, in all and by fused kernel (the largest `top`), as the
-    difference of two batch sizes (the two compiles fuse alike)."""
-    kernels: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])  # ops, values: small, large
-    for at, nodes in enumerate((small, large)):
-        for values, ops, kernel in nodes:
-            kernels[kernel][at] += values * ops
-            kernels[kernel][2 + at] += values
-    largest = sorted(kernels.items(), key=lambda kv: kv[1][0] - kv[1][1])[:top]
-    return {"mops_per_frame": round(sum(b - a for a, b, _, _ in kernels.values()) / rows / 1e6, 2),
-            "largest": [{"kernel": name, "mops_per_frame": round((b - a) / rows / 1e6, 2),
-                         "values_per_frame": (vb - va) // rows, "ops_per_value": round((b - a) / max(vb - va, 1), 1)}
-                        for name, (a, b, va, vb) in largest]}
+def evaluated_per_stream(small: list[NodeWork], large: list[NodeWork], rows: int, top: int = 6) -> dict[str, Any]:
+    """Operations, sines and values written per stream and new frame, in all and by fused kernel (the largest
+    `top` by operations), as the difference of two batch sizes (the two compiles fuse alike)."""
+    def per_kernel(nodes: list[NodeWork]) -> dict[str, list[int]]:
+        kernels: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])  # ops, sins, written, values
+        for n in nodes:
+            for at, amount in enumerate((n.values * n.ops, n.values * n.sins, n.written, n.values)):
+                kernels[n.kernel][at] += amount
+        return kernels
+
+    a, b = per_kernel(small), per_kernel(large)
+
+    def per_frame(kernel: str | None, at: int) -> float:
+        names = [kernel] if kernel else list(b)
+        return sum(b[k][at] - a.get(k, [0, 0, 0, 0])[at] for k in names) / rows
+
+    largest = sorted(b, key=lambda k: -per_frame(k, 0))[:top]
+    return {"mops_per_frame": round(per_frame(None, 0) / 1e6, 2), "msin_per_frame": round(per_frame(None, 1) / 1e6, 2),
+            "mvalues_written_per_frame": round(per_frame(None, 2) / 1e6, 2), "fused_kernels": len(b),
+            "largest": [{"kernel": k, "mops_per_frame": round(per_frame(k, 0) / 1e6, 2),
+                         "values_per_frame": int(per_frame(k, 3)),
+                         "ops_per_value": round(per_frame(k, 0) / max(per_frame(k, 3), 1), 1),
+                         "sin_per_value": round(per_frame(k, 1) / max(per_frame(k, 3), 1), 1)} for k in largest]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,25 +357,25 @@ def main(argv: list[str] | None = None) -> int:
         report["variants"][what]["decoded_frames"] = per_frame
     if not args.no_compiled:
         compiled = StreamingSnac(model, "cpu", args.dtype, max_streams=large, compile=True)
-        counted = [count_compiled(compiled, b) for b in (small, large)]
-        counts = [kernels + count_eager(eager, b, "around")
-                  for (kernels, _), b in zip(counted, (small, large), strict=True)]
+        counts = [count_compiled(compiled, b) + count_eager(eager, b, "around") for b in (small, large)]
         report["variants"]["stream compiled"] = per_stream(*counts, (small, large))
         report["variants"]["stream compiled"]["decoded_frames"] = 1
-        report["evaluated_ops"] = evaluated_per_stream(counted[0][1], counted[1][1], large - small)
+        report["evaluated_as_on_gpu"] = evaluated_per_stream(*(count_evaluated(compiled, b) for b in (small, large)),
+                                                             large - small)
     base = report["variants"]["stream"]["mb_per_frame"]
     print(f"{'variant':18} {'kernels/step':>12} {'MB/new frame':>12} {'vs stream':>9}   largest kinds (MB/new frame)")
     for name, v in report["variants"].items():
         v["vs_stream"] = round(v["mb_per_frame"] / base, 2)
         top = ", ".join(f"{k} {d['mb_per_frame']:.2f}" for k, d in list(v["by_kind"].items())[:4])
         print(f"{name:18} {v['kernels']:>12} {v['mb_per_frame']:>12.2f} {v['vs_stream']:>9.2f}   {top}")
-    if "evaluated_ops" in report:
-        ev = report["evaluated_ops"]
-        print(f"\ncompiled step: {ev['mops_per_frame']:.1f} M operations evaluated per stream and new frame "
-              f"(masked branches included); largest fused kernels:")
+    if "evaluated_as_on_gpu" in report:
+        ev = report["evaluated_as_on_gpu"]
+        print(f"\ncompiled step, cats lowered as for a GPU, per stream and new frame: {ev['mops_per_frame']:.1f} M "
+              f"operations evaluated (masked branches included), {ev['msin_per_frame']:.2f} M sines, "
+              f"{ev['mvalues_written_per_frame']:.2f} M values written, {ev['fused_kernels']} fused kernels; largest:")
         for k in ev["largest"]:
-            print(f"  {k['mops_per_frame']:7.2f} M  {k['values_per_frame']:>7} values x {k['ops_per_value']:>5} ops  "
-                  f"{k['kernel']}")
+            print(f"  {k['mops_per_frame']:7.2f} M  {k['values_per_frame']:>7} values x {k['ops_per_value']:>5} ops "
+                  f"({k['sin_per_value']} sin)  {k['kernel']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     return 0

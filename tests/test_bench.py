@@ -292,7 +292,34 @@ def test_snac_work_counts_the_selects_a_fused_kernel_evaluates() -> None:
         torch._dynamo.reset()
         with inductor_config.patch(fx_graph_cache=False), snac_work.scheduler_nodes() as graphs:
             assert torch.equal(torch.compile(write, fullgraph=True)(pieces), by_cat(pieces))
-        evaluated[write.__name__] = sum(values * ops for values, ops, _ in snac_work.evaluated_ops(graphs[-1]))
+        evaluated[write.__name__] = sum(n.values * n.ops for n in snac_work.evaluated_ops(graphs[-1]))
     values = sum(p.numel() for p in pieces)
     assert evaluated["by_cat"] == 3 * values  # load, multiply, store
     assert evaluated["by_slices"] > 5 * evaluated["by_cat"], evaluated
+
+
+def test_snac_work_sees_a_gpu_recompute_what_a_cat_used_only_by_taps_holds() -> None:
+    """With cats lowered as for a GPU, a history + fresh values concatenation that only a convolution's shifted
+    taps read is inlined into them, so each tap recomputes the fresh values (here a sine); a second use of the
+    fresh values (the new history, as `_Decoder.stream` takes it) makes Inductor write the concatenation once."""
+    import torch._inductor.config as inductor_config
+
+    from bench import snac_work
+
+    def taps(history: torch.Tensor, x: torch.Tensor, tail_from_fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        fresh = torch.sin(x)
+        joined = torch.cat([history, fresh], dim=2)
+        out = sum(joined[..., k:k + x.shape[-1]] * (k + 1.0) for k in range(7))
+        return out, (fresh if tail_from_fresh else joined)[..., -6:].clone()
+
+    history, x = torch.randn(2, 4, 6), torch.randn(2, 4, 64)
+    sines = {}
+    for tail_from_fresh in (False, True):
+        torch._dynamo.reset()
+        with (inductor_config.patch(fx_graph_cache=False), snac_work.cuda_cat_lowering(),
+              snac_work.scheduler_nodes() as graphs):
+            out, _ = torch.compile(taps, fullgraph=True)(history, x, tail_from_fresh)
+        torch.testing.assert_close(out, taps(history, x, tail_from_fresh)[0])
+        sines[tail_from_fresh] = sum(n.values * n.sins for n in snac_work.evaluated_ops(graphs[-1]))
+    assert sines[True] == x.numel()  # each fresh value's sine once
+    assert sines[False] >= 7 * x.numel(), sines  # once per tap

@@ -65,16 +65,17 @@ Compilation (`compile=True`, `--snac-compile`): the step goes through `torch.com
 value, the batch size dynamic), written for Inductor to fuse (`_Decoder(fusable=True)`): the depthwise
 convolutions as their 7 shifted products, so that each fuses with the Snake before it and the history's
 concatenation, and the residual skips as one select per value instead of in-place adds into slices of the
-branch. The new state is one `cat` of the pieces' tails in both forms: written into slices of one row, Inductor
-made the ~40 slice writes a single kernel over the whole row that evaluates every piece's index arithmetic for
-every value (on an H200 the largest kernel of the compiled step, 2.85 of 9.1 ms at B=256). The CUDA graphs then
-replay the compiled kernels. The GPU step is bound by its passes over activations and by the operations its
-kernels evaluate, not by peak arithmetic (on an H200, 15 TFLOP/s at B=256 in bfloat16, and bfloat16 only 1.2x
-faster than float32). Counted on the CPU (`bench/snac_work.py`, float32, per stream and new frame): eager, 373
-kernels per step moving 77 MB; compiled, 47 kernels (Inductor's CPU ones) moving 40 MB and evaluating 64 M
-operations (113 M with the slice-written state). Measured on an H200 before the state change: 1.53x less GPU
-time than eager in bfloat16 (docs/benchmarks.md). Equal to the eager step within float rounding
-(`test_compiled_step_matches_eager`).
+branch. In both forms the new state is one `cat` of the pieces' tails (written into slices of one row,
+Inductor made the ~40 slice writes one kernel over the whole row that evaluates every piece's index arithmetic
+for every value: on an H200 2.85 of the compiled step's 9.1 ms at B=256), and a history is taken from the fresh
+values where they are long enough (a concatenation used only by the taps is, on a GPU, recomputed in each of
+the 7). The CUDA graphs then replay the compiled kernels. The GPU step is bound by its passes over activations
+and the operations its kernels evaluate, not by peak arithmetic (on an H200, 15 TFLOP/s at B=256 in bfloat16,
+and bfloat16 only 1.2x faster than float32). Counted on the CPU (`bench/snac_work.py`, float32, per stream and
+new frame): eager, 373 kernels per step moving 77 MB; compiled, 38 MB and, lowered as for a GPU, 74 M
+operations evaluated in 82 fused kernels (161 M in 41 before the two changes). Measured on an H200 before
+them: 1.53x less GPU time than eager in bfloat16 (docs/benchmarks.md). Equal to the eager step within float
+rounding (`test_compiled_step_matches_eager`).
 
 Precision: float32, bfloat16 and float16 (weights, activations and states in that dtype; noise made in float32).
 """
@@ -468,10 +469,15 @@ class _Decoder:
             return old
 
         def exchange(fresh: torch.Tensor) -> torch.Tensor:
-            """Kept history + fresh inputs (a convolution's input); keeps the new history."""
+            """Kept history + fresh inputs (a convolution's input); keeps the new history. The tail comes from
+            `fresh` where it is long enough: that second use makes Inductor write the concatenation once, `fresh`
+            computed into it, where a concatenation used only by the taps is recomputed in each of the 7 (on a
+            GPU; bench/snac_work.py counts both)."""
             old = take()
+            keep = old.shape[-1]
             joined = torch.cat([old, fresh], dim=2)
-            tails.append(joined[..., joined.shape[-1] - old.shape[-1]:].reshape(batch, -1))
+            tail = fresh[..., -keep:] if fresh.shape[-1] >= keep else joined[..., -keep:]
+            tails.append(tail.reshape(batch, -1))
             return joined
 
         def add_delayed(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
