@@ -160,17 +160,17 @@ def _numel(dims: str) -> int:
     return n
 
 
-def _distinct_ops(graph: torch.fx.Graph) -> int:
-    """Operations of a loop body's graph, each distinct one once (the kernel's CSE): Inductor traces a body as
-    a tree, so a value used twice (as the noise hash's x in x ^ (x >> 16)) appears twice."""
+def _distinct_ops(graph: torch.fx.Graph) -> collections.Counter[str]:
+    """Operations of a loop body's graph by kind, each distinct one once (the kernel's CSE): Inductor traces a body
+    as a tree, so a value used twice (as the noise hash's x in x ^ (x >> 16)) appears twice."""
     canonical: dict[torch.fx.Node, Any] = {}
     seen: dict[tuple[Any, ...], torch.fx.Node] = {}
-    count = 0
+    count: collections.Counter[str] = collections.Counter()
     for node in graph.nodes:
         args = tuple(canonical.get(a, a) if isinstance(a, torch.fx.Node) else repr(a) for a in node.args)
         key = (node.op, str(node.target), args, repr(sorted(node.kwargs.items())))
         if node.op == "call_method" and key not in seen and node.target not in NOT_COUNTED_OPS:
-            count += 1
+            count[str(node.target)] += 1
         canonical[node] = seen.setdefault(key, node)
     return count
 
@@ -201,9 +201,9 @@ def evaluated_ops(nodes: list[Any]) -> list[NodeWork]:
                 continue
             values = math.prod(int(n) for sizes in node._sizes for n in sizes)
             graphs = [body.root_block.graph, *(block.graph for block in body.subblocks.values())]
-            sins = sum(1 for g in graphs for n in g.nodes if n.target == "sin")
-            rows.append(NodeWork(values, sum(_distinct_ops(g) for g in graphs), sins,
-                                 values * len(node.read_writes.writes), group.get_name()))
+            ops = sum((_distinct_ops(g) for g in graphs), collections.Counter())
+            rows.append(NodeWork(values, ops.total(), ops["sin"], values * len(node.read_writes.writes),
+                                 group.get_name()))
     return rows
 
 
