@@ -48,6 +48,15 @@ def test_env_then_flag_precedence() -> None:
     assert config.ice_servers == ["stun:c"]
 
 
+def test_snac_compile_is_auto_unless_set() -> None:
+    """Unset, the SNAC step's compilation follows the device (`snac_compiles`); a flag or the environment sets it."""
+    assert config_mod.from_sources(parse([]), env={}).snac_compile is None
+    assert config_mod.from_sources(parse(["--no-snac-compile"]), env={}).snac_compile is False
+    env = {"ORPHEUS_GATEWAY_SNAC_COMPILE": "false"}
+    assert config_mod.from_sources(parse([]), env=env).snac_compile is False
+    assert config_mod.from_sources(parse(["--snac-compile"]), env=env).snac_compile is True
+
+
 def test_multilingual_voices_follow_the_model() -> None:
     config = config_mod.from_sources(parse(["--model", "canopylabs/3b-de-ft-research_release"]), env={})
     assert config.voice_list == ["jana", "thomas", "max"] and config.voice == "jana"

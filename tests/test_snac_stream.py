@@ -26,6 +26,7 @@ from gateway.speech.snac_stream import (
     StreamingSnac,
     position_noise,
     reference_decode,
+    snac_compiles,
     snac_device_and_dtype,
 )
 from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
@@ -354,9 +355,10 @@ def test_half_precision_snr(snac_model: torch.nn.Module, utterances: dict[int, U
     assert snr_db(utt.reference, audio) > bound
 
 
-def test_snac_runs_in_bfloat16_on_a_gpu_and_float32_on_cpu_unless_told() -> None:
+def test_snac_runs_compiled_in_bfloat16_on_a_gpu_and_eager_float32_on_cpu_unless_told() -> None:
     """`--snac-dtype auto` (the default): bfloat16 where SNAC runs on CUDA (measured faster with more streams real
-    time), float32 on CPU; a named dtype is kept. `--snac-device auto` is CUDA only when there is one."""
+    time), float32 on CPU; a named dtype is kept. `--snac-device auto` is CUDA only when there is one. Likewise
+    the step is compiled on CUDA unless `--snac-compile` says otherwise, and not on a CPU."""
     from gateway.config import from_sources
 
     assert from_sources(env={}).snac_dtype == "auto" and GPU_SNAC_DTYPE == "bfloat16"
@@ -365,6 +367,9 @@ def test_snac_runs_in_bfloat16_on_a_gpu_and_float32_on_cpu_unless_told() -> None
     assert snac_device_and_dtype("cuda", "float32") == ("cuda", "float32")
     assert snac_device_and_dtype("auto", "auto") == (("cuda", "bfloat16") if torch.cuda.is_available()
                                                      else ("cpu", "float32"))
+    assert from_sources(env={}).snac_compile is None
+    assert (snac_compiles("cuda:1", None), snac_compiles("cpu", None)) == (True, False)
+    assert (snac_compiles("cuda", False), snac_compiles("cpu", True)) == (False, True)
 
 
 # --- fast start: the bridge -----------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class DecoderSettings:
     cuda_graphs: bool = True
     max_batch: int = 256  # streams per step
     max_streams: int = 512  # stream slots, for the sentences of all workers together
-    compile: bool = False  # the step through torch.compile (the gateway's snac_compile)
+    compile: bool | None = None  # the step through torch.compile (the gateway's snac_compile; None: on a GPU)
 
 
 @dataclass(frozen=True)
