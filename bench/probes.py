@@ -39,6 +39,8 @@ class CpuSnapshot:
     snac_frames: int  # new audio frames
     snac_window_frames: int  # frames run through SNAC
     snac_busy_s: float
+    snac_held_steps: int  # steps taken when the hold ran out, no stream due
+    snac_longest_tick_s: float  # the decoder's longest tick since the previous snapshot
     host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
@@ -62,9 +64,11 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = ()) -> CpuSnapshot
             times = child.cpu_times()
             (clients if child.pid in client_pids else children)[child.pid] = times.user + times.system
     stats = decoder.stats if decoder is not None else DecodeStats()  # None: the gateway runs elsewhere
+    longest_tick_s, stats.longest_tick_s = stats.longest_tick_s, 0.0  # a maximum: each point's own, from here
     host = psutil.cpu_times()
     return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
                        stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s,
+                       stats.held_steps, longest_tick_s,
                        host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
 
 
@@ -102,6 +106,10 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "busy_s": round(busy, 3),
             "busy_share": round(busy / wall, 3) if wall > 0 else None,
             "ms_per_batch": round(busy / batches * MS, 2) if batches else None,
+            # deadline scheduling (gateway.speech.stream_decoder): steps taken because the hold ran out rather
+            # than a stream being due, and the longest the worker was busy in one tick (bridges and step)
+            "held_steps": after.snac_held_steps - before.snac_held_steps,
+            "longest_tick_ms": round(after.snac_longest_tick_s * MS, 1),
             "new_frames": frames,
             "window_frames": window_frames,
             # recomputation: 1.0 for the exact stream (one frame per stream-step); its bridge's decodes are not

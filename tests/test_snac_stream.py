@@ -285,7 +285,8 @@ def test_compiled_step_matches_eager(snac_model: torch.nn.Module, utterances: di
 def test_bridge_graphs_emulated(snac_model: torch.nn.Module, decoder: StreamingSnac,
                                 utterances: dict[int, Utterance]) -> None:
     """The bridge's graphs (host logic on CPU, as above): its common lengths replay a graph for batches up to the
-    largest bucket, padded; other lengths and larger batches run eagerly; the audio is the eager decoder's."""
+    largest bucket, padded, and larger batches as several replays (a burst's first pieces); other lengths run
+    eagerly; the audio is the eager decoder's."""
     snac = StreamingSnac(snac_model, "cpu", "float32", max_streams=8)
     snac.capture_graphs(max_batch=2, buckets=(1,), emulate=True)
     assert sorted(snac._bridge_graphs) == [(f, b) for f in (1, 2, 3) for b in (1, 2)]
@@ -300,14 +301,14 @@ def test_bridge_graphs_emulated(snac_model: torch.nn.Module, decoder: StreamingS
         pieces += snac_.bridge(handles[2:], lookahead=1, as_float=True)  # 2 frames, batch 1: graph
         for h, u in zip(handles, group, strict=True):
             snac_.push(h, u.frames[2:3])
-        pieces += snac_.bridge(handles, as_float=True)  # 3 frames, batch 3: eager
+        pieces += snac_.bridge(handles, as_float=True)  # 3 frames, batch 3: graphs of 2 rows, then 1
         for h, u in zip(handles, group, strict=True):
             snac_.push(h, u.frames[3:6])
         pieces += snac_.bridge(handles, as_float=True)  # 5 frames: eager
         for h in handles:
             snac_.close(h)
         outputs.append(np.concatenate(pieces))
-    assert snac.stats.bridge_launches == 4 and snac.stats.bridge_graphed == 2
+    assert snac.stats.bridge_launches == 5 and snac.stats.bridge_graphed == 4
     assert np.abs(outputs[0] - outputs[1]).max() < EXACT
 
 
@@ -541,6 +542,39 @@ def stream_decoder(snac_model: torch.nn.Module) -> Iterator[StreamDecoder]:
     decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2))
     yield decoder
     decoder.close()
+
+
+async def test_a_stream_with_lead_to_spare_waits_for_the_held_step_and_a_due_one_does_not(
+        snac_model: torch.nn.Module) -> None:
+    """Deadline scheduling: a stream whose listener is far ahead (1 s) is stepped only once the hold since the last
+    step has run out (2 s here), so it would share that step with others; one about to run dry (lead 0) is
+    stepped as soon as its frame comes."""
+    hold_s = 2.0
+    decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2), hold_s=hold_s)
+    try:
+        lead = [1.0]
+        stream = decoder.open(lambda: lead[0], lookahead=0)
+        frames = make_frames(8, seed=21)
+        decoder.push(stream, frames[:2])
+        await asyncio.wait_for(stream.chunks.get(), 60)  # first audio: the bridge, at once
+        decoder.push(stream, frames[2:4])
+        await wait_until(lambda: not stream.bridging)  # 1 s covers the hand-over: the exact stream takes over
+        handle = stream.handle
+        assert handle is not None
+        lead[0] = 0.0  # due: every frame is stepped as it comes (from the next command on: lead falls gradually)
+        decoder.push(stream, frames[4:5])
+        await wait_until(lambda: handle.received == 5 and not decoder.snac.ready(handle), timeout=hold_s / 2)
+        held, stepped = decoder.stats.held_steps, handle.stepped
+
+        lead[0] = 1.0  # lead to spare: the frame waits for the hold, counted from the step just taken
+        decoder.push(stream, frames[5:6])
+        await wait_until(lambda: handle.received == 6)
+        with pytest.raises(AssertionError):
+            await wait_until(lambda: handle.stepped > stepped, timeout=hold_s / 2)
+        await wait_until(lambda: handle.stepped > stepped, timeout=2 * hold_s)
+        assert decoder.stats.held_steps == held + 1
+    finally:
+        decoder.close()
 
 
 @pytest.mark.parametrize(("lead_s", "handover"), [(0.0, (MAX_HEAD_FRAMES - 1) * SAMPLES_PER_FRAME),

@@ -1,0 +1,172 @@
+"""The stream decoder's deadline scheduling under a steady load: N sentences at once, their frames arriving at a
+generation pace (starts spread over one frame interval), each listener holding `--listener-ms` before it plays
+what comes. Per hold (0: a step whenever a frame is in, as the decoder did before; 0.05: the gateway's
+`MAX_HOLD_S`): the steps, streams per step, the decoder's busy share, and the listeners' stalls.
+
+    .venv/bin/python -m bench.decoder_schedule            # CPU: a random-weight SNAC built here, 8 streams
+    python -m bench.decoder_schedule --snac DIR --device cuda --streams 64,256 --out decoder_schedule.json
+
+No engine: the frames are random codes pushed on a clock, so this measures the decoder's own scheduling and
+GPU time (on a GPU: graphs, compiled step), not its contention with generation (bench.run does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.timing import simulate_playback
+from gateway.devtools.devmodels import random_frames
+from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
+from gateway.speech.snac_stream import StreamingSnac
+from gateway.speech.stream_decoder import MAX_HOLD_S, StreamDecoder
+
+FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
+
+
+@dataclass
+class ScheduleRun:
+    streams: int
+    listener_ms: int
+    hold_ms: float
+    pace: float  # generation speed, times real time
+    frames: int  # per sentence
+    wall_s: float
+    steps: int
+    held_steps: int  # steps taken because the hold ran out (no stream due)
+    mean_batch: float
+    steps_per_s: float
+    busy_share: float  # the decoder's step time (its GPU time where it waits for the device) over wall time
+    longest_tick_ms: float
+    first_audio_p50_ms: float
+    streams_stalled: int  # listeners whose playback paused at least once
+    stalled_ms_max: float
+    audio_complete: bool  # every sentence's audio came out whole
+
+
+async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float
+                  ) -> ScheduleRun:
+    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s)
+    interval = FRAME_S / pace
+    try:
+        start = time.monotonic()
+        results = await asyncio.gather(*(
+            _sentence(decoder, random_frames(frames, seed=i), start + interval * i / streams, interval, listener_s)
+            for i in range(streams)))
+        wall = time.monotonic() - start
+    finally:
+        decoder.close()
+    stats = decoder.stats
+    playbacks = [simulate_playback(arrivals, listener_s) for _, arrivals, _ in results]
+    return ScheduleRun(
+        streams, round(listener_s * 1000), round(hold_s * 1000, 1), pace, frames, round(wall, 2), stats.batches,
+        stats.held_steps, round(stats.windows / stats.batches, 1) if stats.batches else 0.0,
+        round(stats.batches / wall, 1), round(stats.busy_s / wall, 3), round(stats.longest_tick_s * 1000, 1),
+        round(statistics.median(first for first, _, _ in results) * 1000, 1),
+        sum(1 for p in playbacks if p.stalls), round(max(p.stall_s for p in playbacks) * 1000, 1),
+        all(samples == frames * SAMPLES_PER_FRAME for _, _, samples in results))
+
+
+async def _sentence(decoder: StreamDecoder, frames: list[Frame], start: float, interval: float, listener_s: float
+                    ) -> tuple[float, list[tuple[float, float]], int]:
+    """One sentence: its frames pushed on the clock, its audio timed. Returns (first audio after its first frame,
+    arrivals as (seconds, audio seconds), samples). The lead is the synthesizer's: audio out less the time since
+    the first audio, plus what the listener holds."""
+    arrivals: list[tuple[float, float]] = []
+    samples = 0
+
+    def lead_s() -> float:
+        return samples / SAMPLE_RATE - (time.monotonic() - arrivals[0][0]) + listener_s if arrivals else 0.0
+
+    stream = decoder.open(lead_s)
+
+    async def feed() -> None:
+        for k, frame in enumerate(frames):
+            await asyncio.sleep(max(0.0, start + k * interval - time.monotonic()))
+            decoder.push(stream, [frame])
+        decoder.finish(stream)
+
+    feeder = asyncio.create_task(feed())
+    try:
+        while (item := await stream.chunks.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            arrivals.append((time.monotonic(), len(item[0]) / SAMPLE_RATE))
+            samples += len(item[0])
+    finally:
+        decoder.release(stream)
+        await feeder
+    return (arrivals[0][0] - start if arrivals else float("nan")), arrivals, samples
+
+
+def load_snac(path: str | None, device: str, streams: int) -> StreamingSnac:
+    """The checkpoint at `path` as the gateway loads it (graphs, and on CUDA the compiled step), or a random-weight
+    SNAC built here on the CPU."""
+    if path is not None:
+        snac = StreamingSnac.load(path, device, max_streams=streams + 8, max_batch=streams)
+        snac.precompile()
+        return snac
+    from snac import SNAC
+
+    from gateway.devtools.devmodels import build_test_snac
+
+    built = build_test_snac(Path(tempfile.mkdtemp(prefix="decoder-schedule-snac-")))
+    return StreamingSnac(SNAC.from_pretrained(str(built)).eval(), "cpu", "float32", max_streams=streams + 8)
+
+
+def table(runs: list[ScheduleRun]) -> str:
+    head = ("streams", "listener ms", "hold ms", "steps", "held", "mean batch", "steps/s", "busy", "longest tick ms",
+            "first audio p50 ms", "stalled", "stalled ms max", "complete")
+    rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", str(r.steps), str(r.held_steps),
+                      f"{r.mean_batch:.1f}", f"{r.steps_per_s:.1f}", f"{r.busy_share:.0%}", f"{r.longest_tick_ms:.0f}",
+                      f"{r.first_audio_p50_ms:.0f}", f"{r.streams_stalled}/{r.streams}", f"{r.stalled_ms_max:.0f}",
+                      "yes" if r.audio_complete else "NO") for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+async def main_async(args: argparse.Namespace, report: Callable[[str], None]) -> list[ScheduleRun]:
+    snac = load_snac(args.snac, args.device, max(args.streams))
+    await run_one(snac, min(args.streams), 4, args.pace, 0.0, 0.0)  # warm-up, not counted
+    runs = []
+    for streams in args.streams:
+        for listener_ms in args.listener_ms:
+            for hold_s in args.holds:
+                run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s)
+                report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms: {run.steps} steps "
+                       f"of {run.mean_batch:.1f}, {run.streams_stalled} stalled")
+                runs.append(run)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[8])
+    parser.add_argument("--frames", type=int, default=24, help="frames per sentence (24: 2 s of audio)")
+    parser.add_argument("--pace", type=float, default=1.2, help="generation speed, times real time")
+    parser.add_argument("--listener-ms", type=_floats, default=[0.0, 500.0])
+    parser.add_argument("--holds", type=_floats, default=[0.0, MAX_HOLD_S], help="seconds (0: step at every frame)")
+    parser.add_argument("--snac", help="a SNAC 24 kHz checkpoint (default: a random-weight one, built here, on CPU)")
+    parser.add_argument("--device", default="auto", help="with --snac: the gateway's --snac-device")
+    parser.add_argument("--out", type=Path, help="write the runs as JSON here")
+    args = parser.parse_args(argv)
+    runs = asyncio.run(main_async(args, lambda line: print(line, flush=True)))
+    print(table(runs))
+    if args.out:
+        args.out.write_text(json.dumps({"runs": [asdict(r) for r in runs]}, indent=2))
+    return 0 if all(r.audio_complete for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
