@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
+import av
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway.config import GatewayConfig
-from gateway.devtools.client import HeadlessPeer
+from gateway.devtools.client import RECEIVE_PREFETCH_PACKETS, HeadlessPeer
 from gateway.edge.app import create_app
 from gateway.edge.http import GATEWAY_KEY
 from gateway.edge.state import GatewayState
@@ -91,6 +93,33 @@ async def test_rtp_frames_are_evenly_paced(peer: HeadlessPeer) -> None:
     assert 0.017 < float(np.mean(gaps)) < 0.024
     assert float(np.max(gaps)) < 0.12, "no stall in the RTP stream"
     assert all(f.samples == 960 for f in peer.frames[-50:])
+
+
+async def test_frames_are_stamped_one_packet_after_they_leave(peer: HeadlessPeer, gateway: GatewayState) -> None:
+    """The client stamps a frame when its receive jitter buffer releases it: one packet (20 ms) after the server
+    handed it to aiortc on loopback, like a browser, not the ~80 ms of aiortc's default prefetch of 4."""
+    receiver = peer.pc.getReceivers()[0]
+    assert receiver._RTCRtpReceiver__jitter_buffer._prefetch == RECEIVE_PREFETCH_PACKETS == 0
+    session = session_of(gateway, peer)
+    media = session.media
+    sent: dict[int, float] = {}  # RTP timestamp -> when the Opus stage handed that packet to aiortc
+    encode = media.recv
+
+    async def recording_recv() -> av.Packet:
+        packet = await encode()
+        rtp = session.lesson.rtp.timestamp(packet.pts)
+        if rtp is not None:
+            sent[rtp] = time.monotonic()
+        return packet
+
+    media.recv = recording_recv  # type: ignore[method-assign]  # aiortc's sender looks recv up for every frame
+    try:
+        await asyncio.sleep(1.0)
+    finally:
+        del media.recv
+    delays = [f.at - sent[f.rtp_timestamp] for f in peer.frames if f.rtp_timestamp in sent]
+    assert len(delays) >= 30, delays
+    assert float(np.median(delays)) < 0.060, f"frames stamped {np.median(delays) * 1000:.0f} ms after sending"
 
 
 async def test_cancel_stops_audio_and_aborts_engine(peer: HeadlessPeer, gateway: GatewayState) -> None:

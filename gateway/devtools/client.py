@@ -2,6 +2,8 @@
 
 It negotiates through `POST /v1/webrtc/offer`, opens the `control` data channel, records every event with
 its arrival time, and receives and decodes the RTP audio, keeping each 20 ms frame's arrival time and level.
+A frame's arrival time is when aiortc's receive jitter buffer releases it; that buffer is set to hold one packet
+(`RECEIVE_PREFETCH_PACKETS`), as a browser's does on a clean network, so the stamps carry no extra delay.
 It builds its messages with `gateway.rtc.protocol` and checks every event it receives against it: an event the
 protocol does not define lands in `protocol_violations`.
 """
@@ -17,15 +19,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import aiortc
 import msgspec
 import numpy as np
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
+from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from gateway.rtc import protocol
 from gateway.rtc.protocol import CONTROL_LABEL
 
 SILENCE_RMS = 1.0  # decoded Opus silence is exactly or nearly zero
+# Complete frames the receive jitter buffer waits for after a frame before releasing it. aiortc's default for
+# audio, 4, held every frame until 4 later packets were in: ~80 ms added to every arrival stamp (client TTFA,
+# stalls) that a browser does not have: its NetEQ holds about one packet on a clean network. With 0 a frame is
+# released as soon as the next packet shows it complete: one 20 ms packet, like the browser.
+RECEIVE_PREFETCH_PACKETS = 0
+RECEIVE_JITTER_CAPACITY = 16  # packets (a power of 2), aiortc's default for audio
+_JITTER_BUFFER_ATTR = "_RTCRtpReceiver__jitter_buffer"  # aiortc's private, created in RTCRtpReceiver.__init__
 
 
 class OfferRejectedError(RuntimeError):
@@ -87,7 +98,7 @@ class HeadlessPeer:
     def __post_init__(self) -> None:
         self.pc = RTCPeerConnection(self.configuration or RTCConfiguration(iceServers=[]))
         self.channel = self.pc.createDataChannel(CONTROL_LABEL)
-        self.pc.addTransceiver("audio", direction="recvonly")
+        set_receive_prefetch(self.pc.addTransceiver("audio", direction="recvonly").receiver)
         self._event_arrived = asyncio.Event()
         self._audio_task: asyncio.Task[None] | None = None
         self._closing = False
@@ -223,6 +234,18 @@ class HeadlessPeer:
 
     def audible_frames(self, since: float = 0.0, until: float = float("inf")) -> list[ReceivedFrame]:
         return [f for f in self.frames if f.audible and since <= f.at <= until]
+
+
+def set_receive_prefetch(receiver: RTCRtpReceiver, prefetch: int = RECEIVE_PREFETCH_PACKETS) -> None:
+    """Give an audio receiver a jitter buffer that releases a frame after `prefetch` later frames (see
+    `RECEIVE_PREFETCH_PACKETS`). aiortc offers no setting for it: its receiver makes the buffer in `__init__` (so
+    replacing it before negotiation takes effect from the first packet) and keeps it in a private attribute. An
+    aiortc that moves it fails here instead of silently bringing the ~80 ms bias back."""
+    current = getattr(receiver, _JITTER_BUFFER_ATTR, None)
+    if not isinstance(current, JitterBuffer):
+        raise RuntimeError(f"aiortc {aiortc.__version__}: RTCRtpReceiver has no {_JITTER_BUFFER_ATTR} JitterBuffer "
+                           f"(found {type(current).__name__}); update set_receive_prefetch for this aiortc")
+    setattr(receiver, _JITTER_BUFFER_ATTR, JitterBuffer(capacity=RECEIVE_JITTER_CAPACITY, prefetch=prefetch))
 
 
 def _rtp_timestamp(receiver: Any, frame: Any) -> int | None:
