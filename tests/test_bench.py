@@ -156,6 +156,20 @@ def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_pat
     assert all(run["frames_at_first_audio"] >= 2 and run["exact_frames_per_frame"] > 1 for run in runs.values())
 
 
+def test_decoder_schedule_decodes_every_stream_whole_with_and_without_the_hold(tmp_path: Path) -> None:
+    """bench.decoder_schedule (CPU smoke): paced streams through the gateway's StreamDecoder, stepping at every frame
+    and with the hold; every sentence's audio comes out whole either way."""
+    from bench import decoder_schedule
+
+    out = tmp_path / "schedule.json"
+    assert decoder_schedule.main(["--streams", "2", "--frames", "6", "--listener-ms", "500", "--holds", "0,0.05",
+                                  "--out", str(out)]) == 0
+    every_frame, held = json.loads(out.read_text())["runs"]
+    assert every_frame["audio_complete"] and held["audio_complete"]
+    assert every_frame["steps"] >= 6 and held["steps"] >= 6  # a step advances a stream by one frame
+    assert (every_frame["hold_ms"], held["hold_ms"]) == (0, 50)
+
+
 def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:
     """bench.snac_work (eager variants): a window moves ~2.5x the bytes of a stream step per new frame, the masked
     step more than the unmasked one, and snac's Snake counts as one kernel per activation."""
