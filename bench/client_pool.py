@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -82,9 +83,14 @@ class ClientPool:
         """Users are dealt round-robin to the processes; all of them start speaking at the same moment."""
         slices = [list(workload[i::self.size]) for i in range(self.size)]
         busy = [(conn, part) for conn, part in zip(self._conns, slices, strict=True) if part]
+        started = time.monotonic()
         for conn, part in busy:
             conn.send(("connect", base_url, part, options))
-        await asyncio.gather(*(_expect(conn, "connected") for conn, _ in busy))
+        connected = await asyncio.gather(*(_expect(conn, "connected") for conn, _ in busy))
+        failed = sum(reply[1] for reply in connected)
+        # Before the users speak: a point whose peers cannot connect says so here, not at the device call's end.
+        print(f"[bench] {len(workload) - failed} of {len(workload)} peers connected in "
+              f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         await asyncio.sleep(webrtc_level.SETTLE_S)
         origin = time.monotonic() + START_MARGIN_S
         for conn, _ in busy:

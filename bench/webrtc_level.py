@@ -34,7 +34,8 @@ LOOPBACK = "127.0.0.1"
 DONE_GRACE_S = 0.3  # the last RTP frames are still in flight when `done` arrives
 SETTLE_S = 0.5  # let every peer's RTP stream run before the clock starts
 POLL_S = 0.02  # event polling; the peer stamps events itself, so this only delays the next phrase
-CONNECT_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 60.0  # offer, ICE, DTLS and the `ready` event, all of it (HeadlessPeer.connect)
+CLOSE_TIMEOUT_S = 10.0
 FRAME_S = FRAME_MS / MS
 OUTCOMES = ("done", "error", "cancelled")
 # Opus keeps ringing faintly for a frame after audio stops: measured rms 20-30 (rarely ~130) after frames of
@@ -92,7 +93,8 @@ async def connect_all(base_url: str, count: int, concurrency: int, jitter_buffer
             try:
                 await peer.connect(timeout=CONNECT_TIMEOUT_S)
             except Exception as exc:
-                await peer.close()
+                with contextlib.suppress(TimeoutError):  # a half-made peer's close can hang on its transports
+                    await asyncio.wait_for(peer.close(), CLOSE_TIMEOUT_S)
                 return exc
             return peer
 
@@ -107,7 +109,7 @@ async def close_all(base_url: str, peers: Sequence[HeadlessPeer | BaseException]
             with contextlib.suppress(aiohttp.ClientError):
                 async with http.delete(f"{base_url}/v1/webrtc/sessions/{peer.session_id}"):
                     pass
-    await asyncio.gather(*(p.close() for p in connected), return_exceptions=True)
+    await asyncio.gather(*(asyncio.wait_for(p.close(), CLOSE_TIMEOUT_S) for p in connected), return_exceptions=True)
 
 
 async def _run_peer(peer: HeadlessPeer | BaseException, requests: Sequence[PlannedRequest], options: BenchOptions,

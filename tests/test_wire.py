@@ -1,14 +1,19 @@
 """What crosses the network: data-channel datagrams fit a 1280 B IPv6 path through a TURN relay whatever DTLS
-cipher is negotiated (aiortc's own sizing assumes AES-GCM), and every JSON parser refuses hostile input with a
-named error: the same inputs to every HTTP route and every data-channel message type."""
+cipher is negotiated (aiortc's own sizing assumes AES-GCM), every JSON parser refuses hostile input with a
+named error (the same inputs to every HTTP route and every data-channel message type), and the headless peer
+gives up on a server that never answers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from aiortc import rtcsctptransport
 
 from gateway.config import GatewayConfig
@@ -120,3 +125,21 @@ def test_every_message_type_refuses_hostile_json(kind: str | None, name: str) ->
     # Accepted: then it is a well-formed message of its type (a cancel may well carry a NUL id).
     assert name not in ("deep", "deep id", "NaN", "not an object"), f"{name} must be refused"
     assert isinstance(message, (protocol.Speak, protocol.Cancel, protocol.Ping)) and message.__struct_config__
+
+
+async def test_a_headless_peer_gives_up_on_an_offer_that_is_never_answered() -> None:
+    """`HeadlessPeer.connect`'s timeout bounds the whole negotiation: an offer endpoint that never answers (an
+    overloaded server) fails the connect in about the timeout, not aiohttp's 5 minutes."""
+    async def never(request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post(OFFER_PATH, never)
+    async with TestServer(app) as server:
+        peer = HeadlessPeer(str(server.make_url("")).rstrip("/"))
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="no session with"):
+            await peer.connect(timeout=1.0)
+        assert time.monotonic() - started < 5
+        await peer.close()

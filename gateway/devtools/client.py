@@ -108,12 +108,25 @@ class HeadlessPeer:
 
     # --- connection -------------------------------------------------------------------------------
     async def connect(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Negotiate and wait for the server's `ready` event."""
+        """Negotiate and wait for the server's `ready` event, all of it within `timeout` (TimeoutError): an
+        overloaded server's offer endpoint must not hold a client for aiohttp's 5-minute default (a benchmark's
+        384 peers waited out a 600 s device call on 2026-12-05 without a request reaching the engine)."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._negotiate(timeout)
+        except TimeoutError as exc:
+            if str(exc):  # `wait_event`'s own, which says what did come
+                raise
+            raise TimeoutError(f"no session with {self.base_url} within {timeout} s (offer, ICE or DTLS)") from None
+
+    async def _negotiate(self, timeout: float) -> dict[str, Any]:
+        """Offer, answer, then the `ready` event (`connect` bounds the whole)."""
         await self.pc.setLocalDescription(await self.pc.createOffer())
         offer = protocol.Offer(sdp=self.pc.localDescription.sdp, type="offer", voice=self.voice,
                                jitter_buffer_ms=self.jitter_buffer_ms)
         body = {k: v for k, v in protocol.to_dict(offer).items() if v is not None}
-        async with aiohttp.ClientSession() as http, http.post(f"{self.base_url}/v1/webrtc/offer", json=body) as resp:
+        async with aiohttp.ClientSession() as http, \
+                http.post(f"{self.base_url}/v1/webrtc/offer", json=body) as resp:
             answer = await resp.json()
             if resp.status != 200:
                 raise OfferRejectedError(resp.status, answer)
