@@ -147,22 +147,24 @@ class StreamDecoder:
                     command = ...
                 if command is None:
                     return
-                if command is ...:
-                    self._tick()
-                    wake_at = self._next_tick_at(self._streams)  # every stream: the tick changed them
-                    continue
-                touched = [self._apply(command)]
-                with contextlib.suppress(queue.Empty):  # everything else that waits, before deciding
-                    while (more := self._commands.get_nowait()) is not None:
-                        touched.append(self._apply(more))
-                    return
-                self._finish_done(touched)  # a sentence finished with nothing left to step ends here
-                # Only the streams a command touched can need a tick sooner than planned (a lead only falls with
-                # time, which the plan counts in), so the rest are not looked at again (256 streams push ~3000
-                # frames a second).
-                sooner = self._next_tick_at(touched)
-                if sooner is not None and (wake_at is None or sooner < wake_at):
-                    wake_at = sooner
+                if command is not ...:
+                    touched = [self._apply(command)]
+                    with contextlib.suppress(queue.Empty):  # everything else that waits, before deciding
+                        while (more := self._commands.get_nowait()) is not None:
+                            touched.append(self._apply(more))
+                        return
+                    self._finish_done(touched)  # a sentence finished with nothing left to step ends here
+                    # Only the streams a command touched can need a tick sooner than planned (a lead only falls
+                    # with time, which the plan counts in), so the rest are not looked at again (256 streams push
+                    # ~3000 frames a second).
+                    sooner = self._next_tick_at(touched)
+                    if sooner is not None and (wake_at is None or sooner < wake_at):
+                        wake_at = sooner
+                    if wake_at is None or wake_at > time.perf_counter():
+                        continue
+                    # due now: tick before reading the queue again, which a steady flow of pushes never empties
+                self._tick()
+                wake_at = self._next_tick_at(self._streams)  # every stream: the tick changed them
 
     def _next_tick_at(self, streams: Sequence[DecodeStream]) -> float | None:
         """When the worker must tick next for these streams (perf_counter time): now for a first audio or a
