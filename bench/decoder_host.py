@@ -3,10 +3,11 @@
     .venv/bin/python -m bench.decoder_host                     # 384 streams, batches of 256, 40 ticks
 
 What `StreamDecoder` does in Python per tick around the decode itself: take the pushed frames (one per stream),
-pick the ready streams in deadline order, pack their rows, hand out each stream's audio (`_emit`) and deliver it
-to the event loop. The decode launch is replaced by preallocated zero output of the right shape, so the figure
-is the host's share only: on a GPU the launch's own time comes on top (an H200 decodes a 256-stream step in
-~15 ms in bfloat16, docs/benchmarks.md). Prints ms per tick and us per pushed frame.
+pick the ready streams in deadline order, pack their rows, hand out each stream's audio (`_emit`), deliver it
+to the event loop, and plan the next tick (`_next_tick_at`, after the pushes and after the tick). The decode
+launch is replaced by preallocated zero output of the right shape, so the figure is the host's share only: on a
+GPU the launch's own time comes on top (an H200 decodes a 256-stream step in 6 ms, compiled, in bfloat16;
+docs/benchmarks.md). Prints ms per tick and us per pushed frame.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ async def measure(streams: int, max_batch: int, ticks: int) -> dict[str, float]:
     push_s = tick_s = 0.0
     for tick in range(ticks):
         t0 = time.perf_counter()
-        for stream in opened:
-            decoder._apply(("push", stream, frames[8 + tick:9 + tick]))
+        touched = [decoder._apply(("push", stream, frames[8 + tick:9 + tick])) for stream in opened]
+        decoder._finish_done(touched)  # what the worker does after a batch of commands (`_run`)
+        decoder._next_tick_at(touched)
         t1 = time.perf_counter()
         decoder._tick()
+        decoder._next_tick_at(decoder._streams)  # the worker's plan after each tick
         t2 = time.perf_counter()
         push_s, tick_s = push_s + t1 - t0, tick_s + t2 - t1
         await asyncio.sleep(0)  # the deliveries
