@@ -1,11 +1,12 @@
 """The exact streaming SNAC decoder (`snac_stream.StreamingSnac`) serving every sentence of a process: one worker
-thread owns it, and each tick advances all streams that have a frame to decode in one batched launch.
+thread owns it, and each step advances all streams that have a frame to decode in one batched launch.
 
 Deadline scheduling: a step costs the GPU almost as much for 14 streams as for 64 (H200, compiled bf16: ~1 ms
 against 1.7; 256: 6 ms), and each step delays the engine's own. So the worker steps when a ready stream is due
 (its audio runs less than `DUE_LEAD_S` ahead of its listener) or the last step is `MAX_HOLD_S` old; streams with
 lead to spare wait for that step and join it. Stepping at every new frame ran 1260 steps of 14 streams on average
-in 8.1 s at 256 users (engine level, H200, 2026-12-05) and slowed generation by 22 %. A step takes the ready
+in 8.1 s at 256 users (engine level, H200, 2026-12-05), while generation ran 1.22x slower than without SNAC
+beside it (~20 % of the GPU for SNAC where its work alone is ~7 %). A step takes the ready
 streams by lead, least first, up to `max_batch`; a stream far ahead waits a step when the batch is full.
 
 Fast start: a stream's first audio comes from `StreamingSnac.bridge` (an approximate decode of its latest
