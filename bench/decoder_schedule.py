@@ -110,9 +110,7 @@ def load_snac(path: str | None, device: str, streams: int) -> StreamingSnac:
     """The checkpoint at `path` as the gateway loads it (graphs, and on CUDA the compiled step), or a random-weight
     SNAC built here on the CPU."""
     if path is not None:
-        snac = StreamingSnac.load(path, device, max_streams=streams + 8, max_batch=streams)
-        snac.precompile()
-        return snac
+        return StreamingSnac.load(path, device, max_streams=streams + 8, max_batch=streams)
     from snac import SNAC
 
     from gateway.devtools.devmodels import build_test_snac

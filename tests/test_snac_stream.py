@@ -8,6 +8,7 @@ run checks 1..12, 17, 25 and 40 (every interaction of the start and end edges: b
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -280,6 +281,35 @@ def test_compiled_step_matches_eager(snac_model: torch.nn.Module, utterances: di
     assert np.abs(alone - chosen[0].reference).max() < EXACT
     assert counters["stats"]["unique_graphs"] == 2  # masked and unmasked, whatever the batch size
     assert any(c.taps for c in snac.decoder.pre) and all(u.conv.taps for b in snac.decoder.blocks for u in b.units)
+
+
+def test_a_default_compile_that_fails_falls_back_to_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """`StreamingSnac.load`: where compiling is only the default (as on a GPU) and the compiler fails (here: one
+    that raises), the step runs eagerly with a warning; asked for by name (`--snac-compile`), the failure stops
+    the start."""
+    from gateway.devtools.devmodels import build_test_snac
+    from gateway.speech import snac_stream
+
+    path = str(build_test_snac(tmp_path))
+
+    def no_compiler(fn: object, **options: object) -> object:
+        def run(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("no compiler for this device")
+        return run
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(snac_stream, "snac_compiles", lambda device, compile: compile is not False)
+    with caplog.at_level(logging.WARNING, logger=snac_stream.__name__):
+        snac = StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False)
+    assert not snac.compiled and "runs eagerly" in caplog.text
+    handle = snac.open_stream()
+    snac.push(handle, make_frames(3, seed=5))
+    snac.finish(handle)
+    while not snac.done(handle):
+        snac.step_batch([handle])
+    with pytest.raises(RuntimeError, match="no compiler"):
+        StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False, compile=True)
 
 
 def test_bridge_graphs_emulated(snac_model: torch.nn.Module, decoder: StreamingSnac,

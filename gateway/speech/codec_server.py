@@ -480,7 +480,6 @@ def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
     snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
                               max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
                               max_batch=settings.max_batch, compile=settings.compile)
-    snac.precompile()  # with compile and no graphs (CPU, --no-snac-cuda-graphs): before serving, not in a tick
     return StreamDecoder(snac, settings.max_batch)
 
 

@@ -85,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,8 @@ from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d, snake
 from torch.nn import functional as nnf
 
 from gateway.orpheus import CODEBOOK_SIZE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME, Frame, frames_to_layers
+
+log = logging.getLogger(__name__)
 
 INT16_MAX = 32767
 # Batch sizes with a captured graph: a batch runs in the smallest bucket that holds it (padded rows are wasted
@@ -679,14 +682,26 @@ class StreamingSnac:
              chunk_frames: int = 1, capture_graphs: bool = True, max_batch: int | None = None,
              compile: bool | None = None) -> StreamingSnac:
         """Load a SNAC checkpoint (hub name or folder) and build the streaming decoder on `device` in `dtype`
-        ("auto": `snac_device_and_dtype`). On CUDA with `capture_graphs`, graphs for batch buckets up to
-        `max_batch` (default: min(max_streams, 512)) are captured at once (after compiling, with `compile`;
-        None: `snac_compiles`)."""
+        ("auto": `snac_device_and_dtype`), its step compiled with `compile` (None: `snac_compiles`) before
+        anything runs. On CUDA with `capture_graphs`, graphs for batch buckets up to `max_batch` (default:
+        min(max_streams, 512)) are captured at once.
+
+        Where compiling was only the default (`compile` None) and fails (no Triton for this GPU, no C compiler),
+        the step runs eagerly with a warning: exact all the same, ~2.2x the GPU time on an H200. Asked for by
+        name, its failure stops the start."""
         from snac import SNAC
 
         device, dtype = snac_device_and_dtype(device, dtype)
         model = SNAC.from_pretrained(name_or_path).eval()
         snac = cls(model, device, dtype, max_streams, chunk_frames, snac_compiles(device, compile))
+        try:
+            snac.precompile()  # a compiler that cannot work fails here, before any graph capture
+        except Exception as exc:
+            if compile is not None:
+                raise
+            log.warning("SNAC: compiling the decoder's step failed (%s: %s); it runs eagerly (--no-snac-compile "
+                        "skips the attempt)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            snac = cls(model, device, dtype, max_streams, chunk_frames, False)
         if capture_graphs:
             snac.capture_graphs(max_batch)
         return snac
@@ -781,8 +796,8 @@ class StreamingSnac:
 
     def precompile(self) -> None:
         """With `compile`, compile both step graphs now (a padded step on the scratch slot each) instead of in the
-        first utterance's tick (minutes on a small CPU), so a compiler that cannot work fails at start-up. A no-op
-        once graphs are set up: their capture (`capture_graphs`) compiled them."""
+        first utterance's tick (minutes on a small CPU) or inside a graph capture, so a compiler that cannot work
+        fails at start-up (`load` calls it). A no-op once graphs are set up: their capture compiled them."""
         if not self.compiled or self._graphs:
             return
         with torch.inference_mode():
