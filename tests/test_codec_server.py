@@ -116,8 +116,11 @@ def start_stream_server(snac: StreamingSnac, path: Path, **decoder_options: Any)
     return server
 
 
+PUSH_PIECES = (1, 3, 2)  # frames per push of `decode_stream`
+
+
 async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list[Frame],
-                        pieces: Sequence[int] = (1, 3, 2)) -> np.ndarray:
+                        pieces: Sequence[int] = PUSH_PIECES) -> np.ndarray:
     """One sentence's audio from a streaming decoder: frames pushed a few at a time, then finished."""
     stream = decoder.open(lambda: 0.0)
     sizes = itertools.cycle(pieces)
@@ -133,21 +136,50 @@ async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list
         decoder.release(stream)
 
 
-async def test_streams_through_the_server_sound_as_in_process(snac_weights: Any, server_path: Path) -> None:
-    server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
-    client = CodecStreamClient(server_path)
-    local = StreamDecoder(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS))
+async def decode_all_at_once(decoder: StreamDecoder | CodecStreamClient, worker: StreamDecoder,
+                             gated: GatedStreamingSnac, frames: list[Frame]) -> np.ndarray:
+    """`decode_stream`, with every command of the sentence waiting in `worker`'s queue before it acts on any: a
+    blocker stream holds the worker in its first step meanwhile. What a decoder sees at each tick then no longer
+    depends on thread timing (a loaded machine could let it bridge from the first 4 frames on one side and from 8
+    on the other)."""
+    gated.go.clear()
+    gated.entered.clear()
+    blocker = decoder.open(lambda: 0.0)
+    decoder.push(blocker, make_frames(1, seed=99))
+    assert await asyncio.to_thread(gated.entered.wait, 30), "the blocker's step holds the worker"
+    queued = worker._commands.qsize()
+    decoding = asyncio.ensure_future(decode_stream(decoder, frames))
+    pushes, at = 0, 0
+    for size in itertools.cycle(PUSH_PIECES):  # as `decode_stream` cuts them
+        if at >= len(frames):
+            break
+        pushes, at = pushes + 1, at + size
+    await wait_until(lambda: worker._commands.qsize() >= queued + 2 + pushes)  # and its open and finish
+    gated.go.set()
     try:
-        # One stream at a time on both: their noise seeds come from the same counter.
+        return await decoding
+    finally:
+        decoder.release(blocker)
+
+
+async def test_streams_through_the_server_sound_as_in_process(snac_weights: Any, server_path: Path) -> None:
+    remote_snac, local_snac = GatedStreamingSnac(snac_weights), GatedStreamingSnac(snac_weights)
+    server = start_stream_server(remote_snac, server_path)
+    client = CodecStreamClient(server_path)
+    local = StreamDecoder(local_snac)
+    try:
+        # One sentence at a time on both (each after its blocker): their noise seeds come from the same counter.
         for count, seed in ((12, 1), (2, 2), (5, 3)):
             frames = make_frames(count, seed=seed)
-            remote = await decode_stream(client, frames)
-            here = await decode_stream(local, frames)
+            remote = await decode_all_at_once(client, server.decoder, remote_snac, frames)
+            here = await decode_all_at_once(local, local, local_snac, frames)
             assert len(remote) == count * SAMPLES_PER_FRAME, "every frame's audio once"
             assert np.array_equal(remote, here), "the same samples as the in-process streaming decoder"
         free = server.decoder.snac._free
         await wait_until(lambda: len(free) == STREAM_SLOTS)
     finally:
+        remote_snac.go.set()
+        local_snac.go.set()
         client.close()
         local.close()
         server.close()
