@@ -178,13 +178,13 @@ class StreamDecoder:
             if self._bridge_due(stream):
                 return now
             if self._steppable(stream):
-                waits.append(self._step_due_in(stream, now))
+                waits.append(self._step_due_in(stream.lead_s(), now))
         return now + min(waits) if waits else None
 
-    def _step_due_in(self, stream: DecodeStream, now: float) -> float:
-        """Seconds until this ready stream must be stepped: until its lead falls to `DUE_LEAD_S` or the last
-        step is `hold_s` old, whichever comes first (0: now)."""
-        return max(0.0, min(stream.lead_s() - DUE_LEAD_S, self._last_step + self.hold_s - now))
+    def _step_due_in(self, lead_s: float, now: float) -> float:
+        """Seconds until a ready stream with this lead must be stepped: until its lead falls to `DUE_LEAD_S` or
+        the last step is `hold_s` old, whichever comes first (0: now)."""
+        return max(0.0, min(lead_s - DUE_LEAD_S, self._last_step + self.hold_s - now))
 
     def _bridge_due(self, stream: DecodeStream) -> bool:
         """`_bridge` has something to do for this stream: its first audio, or (while it bridges) a decision on
@@ -232,17 +232,18 @@ class StreamDecoder:
         t0 = time.perf_counter()
         self._bridge()
         ready = [s for s in self._streams if self._steppable(s)]
-        now = time.perf_counter()
-        if any(self._step_due_in(s, now) <= 0 for s in ready):
-            self._step(ready)
+        if ready:
+            leads = {s: s.lead_s() for s in ready}  # once per tick: a lead is a call into the synthesizer
+            if self._step_due_in(min(leads.values()), time.perf_counter()) <= 0:
+                self._step(leads)
         self._finish_done()
         self.stats.longest_tick_s = max(self.stats.longest_tick_s, time.perf_counter() - t0)
 
-    def _step(self, ready: list[DecodeStream]) -> None:
+    def _step(self, leads: dict[DecodeStream, float]) -> None:
+        """Step the ready streams (`leads`: each one's lead) by lead, least first, up to `max_batch`."""
         t0 = time.perf_counter()
-        held = min(s.lead_s() for s in ready) >= DUE_LEAD_S
-        ready.sort(key=lambda s: s.lead_s())  # deadline order: the stream closest to running dry first
-        batch = ready[:self.max_batch]
+        batch = sorted(leads, key=leads.__getitem__)[:self.max_batch]  # the closest to running dry first
+        held = leads[batch[0]] >= DUE_LEAD_S
         self._last_step = t0
         try:
             pcm = self.snac.step_batch([s.handle for s in batch])  # type: ignore[misc]
