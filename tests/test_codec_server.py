@@ -116,19 +116,21 @@ def start_stream_server(snac: StreamingSnac, path: Path, **decoder_options: Any)
     return server
 
 
-PUSH_PIECES = (1, 3, 2)  # frames per push of `decode_stream`
-
-
-async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list[Frame],
-                        pieces: Sequence[int] = PUSH_PIECES) -> np.ndarray:
-    """One sentence's audio from a streaming decoder: frames pushed a few at a time, then finished."""
-    stream = decoder.open(lambda: 0.0)
-    sizes = itertools.cycle(pieces)
-    at = 0
+def pushes(frames: list[Frame], pieces: Sequence[int] = (1, 3, 2)) -> list[list[Frame]]:
+    """The frames cut into pushes of a few at a time, `pieces` frames each in turn."""
+    cut, at, sizes = [], 0, itertools.cycle(pieces)
     while at < len(frames):
-        step = next(sizes)
-        decoder.push(stream, frames[at:at + step])
-        at += step
+        size = next(sizes)
+        cut.append(frames[at:at + size])
+        at += size
+    return cut
+
+
+async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list[Frame]) -> np.ndarray:
+    """One sentence's audio from a streaming decoder: frames pushed a few at a time (`pushes`), then finished."""
+    stream = decoder.open(lambda: 0.0)
+    for piece in pushes(frames):
+        decoder.push(stream, piece)
     decoder.finish(stream)
     try:
         return await decoded_audio(stream.chunks)
@@ -149,12 +151,8 @@ async def decode_all_at_once(decoder: StreamDecoder | CodecStreamClient, worker:
     assert await asyncio.to_thread(gated.entered.wait, 30), "the blocker's step holds the worker"
     queued = worker._commands.qsize()
     decoding = asyncio.ensure_future(decode_stream(decoder, frames))
-    pushes, at = 0, 0
-    for size in itertools.cycle(PUSH_PIECES):  # as `decode_stream` cuts them
-        if at >= len(frames):
-            break
-        pushes, at = pushes + 1, at + size
-    await wait_until(lambda: worker._commands.qsize() >= queued + 2 + pushes)  # and its open and finish
+    commands = 2 + len(pushes(frames))  # open, the pushes and finish
+    await wait_until(lambda: worker._commands.qsize() >= queued + commands)
     gated.go.set()
     try:
         return await decoding
