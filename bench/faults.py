@@ -48,14 +48,14 @@ import psutil
 from bench.client_pool import spawn_children, stop_children
 from bench.corpus import select
 from bench.machine import machine_info
-from gateway.cluster.workers import WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
+from gateway.cluster.workers import VLLM_CLI_MODULE, WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
 from gateway.devtools.client import HeadlessPeer
 from gateway.rtc.protocol import TERMINAL_EVENTS
 
 FAULTS = ("worker", "snac", "engine")
 WORKER_MODULE = "gateway.cluster.workers"
 SNAC_MODULE = "gateway.cluster.snac_process"
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_MODULE = VLLM_CLI_MODULE  # `vllm serve` as the supervisor starts it
 ENGINE_CORE_NAME = "EngineCore"  # vLLM titles its engine-core process "VLLM::EngineCore"
 CONNECT_CONCURRENCY = 16
 CONNECT_TIMEOUT_S = 60.0

@@ -128,6 +128,9 @@ class GatewayConfig:
                         "Above 1, they share one `vllm serve`: the --vllm-url servers, or one started here.")
     vllm_port: int = _opt(0, "With --workers > 1 and no --vllm-url: loopback port of the `vllm serve` started "
                           "here (0 = a free port).")
+    vllm_api_servers: int = _opt(0, "API-server processes of the `vllm serve` started here (its --api-server-count: "
+                                 "they share the HTTP/SSE work of many streams; 0 = vLLM's default, one per "
+                                 "data-parallel rank).")
     # --- WebRTC sessions --------------------------------------------------------------------------
     jitter_buffer_ms: int = _opt(500, "Default audio queued before an utterance starts playing "
                                  f"(0-{JITTER_BUFFER_MAX_MS}).")
@@ -290,6 +293,7 @@ def validate(config: GatewayConfig) -> None:
         (config.max_sessions >= 1, "max_sessions must be >= 1"),
         (config.workers >= 1, "workers must be >= 1"),
         (0 <= config.vllm_port <= 65535, "vllm_port must be within 0..65535"),
+        (config.vllm_api_servers >= 0, "vllm_api_servers must be >= 0"),
         (6000 <= config.opus_bitrate <= 510000, "opus_bitrate must be within 6000..510000 (Opus' range)"),
         (0 <= config.opus_complexity <= 10, "opus_complexity must be within 0..10"),
         (config.max_in_flight_utterances >= 0, "max_in_flight_utterances must be >= 0 (0 = max_num_seqs)"),

