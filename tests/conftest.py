@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -58,10 +57,8 @@ async def synthesizer(test_config: GatewayConfig) -> AsyncIterator[object]:
 @pytest.fixture(scope="session")
 async def vllm_server(test_config: GatewayConfig, tmp_path_factory: pytest.TempPathFactory
                       ) -> AsyncIterator[VllmServer]:
-    """One real `vllm serve` (tiny model, CPU) for every test that needs a remote engine; with two API servers,
-    as a many-stream deployment runs it, so requests, cancels and health checks cross both."""
-    config = dataclasses.replace(test_config, vllm_api_servers=2)
-    server = VllmServer(config, free_port(), tmp_path_factory.mktemp("vllm-serve") / "serve.log")
+    """One real `vllm serve` (tiny model, CPU) for every test that needs a remote engine."""
+    server = VllmServer(test_config, free_port(), tmp_path_factory.mktemp("vllm-serve") / "serve.log")
     server.start()
     try:
         await server.wait_healthy()

@@ -161,8 +161,11 @@ def test_one_mapping_of_settings_to_vllm_serve_flags() -> None:
                                             "--enforce-eager", "--quantization", "fp8"]), env={})
     settings = vllm_engine_settings(config, on_cpu=False)
     command = vllm_serve_command(config, "127.0.0.1", 8001)
+    assert command[command.index("serve") + 1] == config.model and "--model" not in command
     for name, value in settings.items():
         flag = "--" + name.replace("_", "-")
+        if name == "model":
+            continue
         if value is True:
             assert flag in command, flag
         elif value is False:

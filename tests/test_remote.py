@@ -41,11 +41,13 @@ LONG_TOKENS = 225  # what LONG_TEXT with LONG_SEED generates when left alone (~5
 
 class TcpForwarder:
     """A second address for the real server: stop it and that "server" refuses connections, start it again on
-    the same port and it is back."""
+    the same port and it is back. `close_reused` is how many times a request on a connection that has already
+    carried one is dropped unanswered with its connection: the server's keep-alive ending as the request comes."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = 0
+        self.close_reused = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -67,16 +69,24 @@ class TcpForwarder:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._writers |= {writer, up_writer}
+        answered = False  # a response went back on this connection: the next request reuses it
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upstream: bool) -> None:
+            nonlocal answered
             try:
                 while data := await src.read(65536):
+                    if upstream and answered and self.close_reused > 0:
+                        self.close_reused -= 1
+                        writer.transport.abort()
+                        up_writer.transport.abort()
+                        return
+                    answered = answered or not upstream
                     dst.write(data)
                     await dst.drain()
             finally:
                 dst.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False), return_exceptions=True)
         self._writers -= {writer, up_writer}
 
 
@@ -344,6 +354,25 @@ async def test_refused_connection_fails_over(remote_synth: Synthesizer, remote_c
             await speak(synth, f"Fail over {i}.", seed=30 + i, max_tokens=28)
         assert (gone.healthy, gone.requests, gone.taken_out) == (False, 1, 1)
         assert live.requests == 2 and engine.ready
+
+
+@pytest.mark.engine
+async def test_a_pooled_connection_closed_under_a_request_does_not_take_the_server_out(
+        remote_synth: Synthesizer, remote_config: Callable[..., GatewayConfig], vllm_server: VllmServer) -> None:
+    """`vllm serve` closes a connection idle for its keep-alive (5 s); a request sent on it that moment gets no
+    answer. The request goes again on a new connection: the only server stays in, the sentence is spoken."""
+    forwarder = TcpForwarder(vllm_server.port)
+    await forwarder.start()
+    config = remote_config(forwarder.url, engine_health_interval_s=3600.0)
+    async with other_engine(remote_synth, config) as synth:
+        engine = synth.engine
+        assert isinstance(engine, RemoteEngine) and engine.ready  # its check and warm-up left pooled connections
+        forwarder.close_reused = 1
+        await speak(synth, "Still here.", seed=3, max_tokens=28)
+        assert forwarder.close_reused == 0, "no request met a reused connection"
+        (server,) = engine.servers
+        assert (server.healthy, server.taken_out, server.requests) == (True, 0, 1)
+    await forwarder.stop()
 
 
 @pytest.mark.engine

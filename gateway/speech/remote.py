@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0  # a server that cannot answer /health this fast is no use for real-time speech
 CONNECT_TIMEOUT_S = 5.0
+# An idle pooled connection is dropped before `vllm serve` drops it (uvicorn's keep-alive, vLLM's
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): with aiohttp's 15 s, requests met connections the server was closing, and
+# "Server disconnected" took the only server out (H100, serve --workers 4, 448 peers: 3 times in 20 s).
+KEEPALIVE_S = 4.0
 # Finish reasons of a request that ran to its end; "abort" means the server dropped it (e.g. shutting down).
 NORMAL_FINISH = frozenset({"stop", "length"})
 # HTTP statuses that say the request itself is wrong, not the server: retrying elsewhere would fail the same way.
@@ -95,7 +99,7 @@ class RemoteEngine(EngineBase):
             timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S,
                                           sock_read=self.config.vllm_read_timeout_s),
             # One connection per stream: aiohttp's default cap (100) would queue streams beyond it.
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
             headers=self._headers)
         await self._check_all()
         if not self.ready:
@@ -132,7 +136,7 @@ class RemoteEngine(EngineBase):
             return
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
-            async with session.get(f"{server.url}/health", timeout=timeout) as response:
+            async with await _send(session, "GET", f"{server.url}/health", timeout=timeout) as response:
                 if response.status != 200:
                     raise _ServerUnusableError(f"/health answered {response.status}")
             if server.model is None:
@@ -241,7 +245,8 @@ class RemoteEngine(EngineBase):
                     body: dict[str, Any]) -> aiohttp.ClientResponse:
         """Open the stream on `server`; `_ServerUnusableError` when another server should get the request."""
         try:
-            response = await session.post(f"{server.url}/v1/completions", json={**body, "model": server.model})
+            response = await _send(session, "POST", f"{server.url}/v1/completions",
+                                   json={**body, "model": server.model})
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _ServerUnusableError(f"connection failed: {_describe(exc)}") from exc
         if response.status == 200:
@@ -370,6 +375,19 @@ def _error_text(body: Any) -> str:
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])[:300]
     return str(body)[:300]
+
+
+async def _send(session: aiohttp.ClientSession, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+    """A request; one that meets a pooled connection the server closed as the request went out (no answer, or a
+    reset) goes once more on a new connection. The server dropped it unanswered: a completion it had begun is
+    aborted with its connection, so the second one is not a duplicate."""
+    try:
+        return await session.request(method, url, **kwargs)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        if isinstance(exc, aiohttp.ClientConnectorError):  # no connection was made: nothing stale to retry
+            raise
+        log.info("%s %s: %s on a pooled connection; sending it again", method, url, _describe(exc))
+        return await session.request(method, url, **kwargs)
 
 
 def _describe(exc: BaseException) -> str:
