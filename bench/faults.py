@@ -47,16 +47,13 @@ import psutil
 
 from bench.client_pool import spawn_children, stop_children
 from bench.corpus import select
+from bench.gateway_procs import TreeProcess, gateway_tree
 from bench.machine import machine_info
-from gateway.cluster.workers import VLLM_CLI_MODULE, WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
+from gateway.cluster.workers import WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
 from gateway.devtools.client import HeadlessPeer
 from gateway.rtc.protocol import TERMINAL_EVENTS
 
 FAULTS = ("worker", "snac", "engine")
-WORKER_MODULE = "gateway.cluster.workers"
-SNAC_MODULE = "gateway.cluster.snac_process"
-VLLM_MODULE = VLLM_CLI_MODULE  # `vllm serve` as the supervisor starts it
-ENGINE_CORE_NAME = "EngineCore"  # vLLM titles its engine-core process "VLLM::EngineCore"
 CONNECT_CONCURRENCY = 16
 CONNECT_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0  # an utterance without a terminal event by then is silent
@@ -68,37 +65,6 @@ LANGUAGE = "en"
 
 
 # --- the gateway's processes --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TreeProcess:
-    pid: int
-    kind: str  # supervisor, worker, snac, vllm, engine-core, other
-    name: str
-
-
-def _kind(proc: psutil.Process, cmdline: str) -> str:
-    if WORKER_MODULE in cmdline:
-        return "worker"
-    if SNAC_MODULE in cmdline:
-        return "snac"
-    if VLLM_MODULE in cmdline:
-        return "vllm"
-    if ENGINE_CORE_NAME in proc.name() or ENGINE_CORE_NAME in cmdline:
-        return "engine-core"
-    return "other"
-
-
-def gateway_tree(supervisor_pid: int) -> list[TreeProcess]:
-    """The supervisor and every live descendant, each with what it is."""
-    root = psutil.Process(supervisor_pid)
-    found = [TreeProcess(supervisor_pid, "supervisor", root.name())]
-    for proc in root.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            found.append(TreeProcess(proc.pid, _kind(proc, " ".join(proc.cmdline())), proc.name()))
-    return found
-
 
 def worker_index(pid: int) -> int | None:
     with contextlib.suppress(psutil.Error, ValueError):

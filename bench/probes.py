@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind
 from bench.timing import describe
 from gateway.speech.stream_decoder import THREAD_NAME, DecodeStats
 
@@ -144,16 +145,43 @@ class LoopLagMonitor:
         return describe(self.lags_s, MS)
 
 
-class PointProbe:
-    """CPU split and event-loop lag over one measurement point: `start()`, run, `await stop()`."""
+def gateway_delta(before: GatewaySnapshot, after: GatewaySnapshot, wall_s: float) -> dict[str, Any]:
+    """A gateway in other processes (`bench.run --gateway-url`): CPU by kind of process, where its supervisor's
+    pid was given, and its SNAC decoders' batching, from its /metrics."""
+    spent = cpu_by_kind(before.cpu, after.cpu)
+    delta: dict[str, Any] = {"server": {"cpu_s": spent,
+                                        "cores": {k: round(v / wall_s, 2) for k, v in spent.items()} if wall_s > 0
+                                        else {}}}
+    if before.snac is not None and after.snac is not None:
+        d = {key: after.snac[key] - before.snac[key] for key in after.snac}
+        batches, windows, busy, frames = int(d["batches"]), int(d["windows"]), d["busy_s"], int(d["frames"])
+        delta["snac"] = {
+            "batches": batches,
+            "windows": windows,
+            "mean_batch": round(windows / batches, 2) if batches else None,
+            "busy_s": round(busy, 3),
+            "busy_share": round(busy / wall_s, 3) if wall_s > 0 else None,
+            "ms_per_batch": round(busy / batches * MS, 2) if batches else None,
+            "new_frames": frames,
+        }
+    return delta
 
-    def __init__(self, decoder: Any, client_pids: Collection[int] = ()) -> None:
+
+class PointProbe:
+    """CPU split and event-loop lag over one measurement point: `await start()`, run, `await stop()`. With a
+    `GatewayWatch` (the gateway runs in other processes), also its processes' CPU and its SNAC batching."""
+
+    def __init__(self, decoder: Any, client_pids: Collection[int] = (), gateway: GatewayWatch | None = None) -> None:
         self.decoder = decoder
         self.client_pids = frozenset(client_pids)
+        self.gateway = gateway
         self.monitor = LoopLagMonitor()
         self.before: CpuSnapshot | None = None
+        self.gateway_before: GatewaySnapshot | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        if self.gateway is not None:
+            self.gateway_before = await self.gateway.snapshot()
         self.before = cpu_snapshot(self.decoder, self.client_pids)
         self.monitor.start()
 
@@ -161,4 +189,9 @@ class PointProbe:
         lag = await self.monitor.stop()
         after = cpu_snapshot(self.decoder, self.client_pids)
         assert self.before is not None, "start() first"
-        return {**cpu_delta(self.before, after), "loop_lag_ms": lag}
+        result = {**cpu_delta(self.before, after), "loop_lag_ms": lag}
+        if self.decoder is None:
+            del result["snac"]  # no decoder here: its zeros would read as "SNAC did nothing"
+        if self.gateway is not None and self.gateway_before is not None:
+            result.update(gateway_delta(self.gateway_before, await self.gateway.snapshot(), result["wall_s"]))
+        return result

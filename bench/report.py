@@ -119,6 +119,11 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("other threads CPU s", _fixed(1, "pipeline", "cpu_s", "other_threads")),
         ("client procs CPU s", _fixed(1, "pipeline", "cpu_s", "client_processes")),
         ("host busy cores", _fixed(1, "pipeline", "host", "busy_cores")),
+        # a gateway in other processes (--gateway-pid): where its share of the host went
+        ("workers cores", _fixed(1, "pipeline", "server", "cores", "worker")),
+        ("vllm API cores", _fixed(1, "pipeline", "server", "cores", "vllm")),
+        ("engine core cores", _fixed(1, "pipeline", "server", "cores", "engine-core")),
+        ("SNAC proc cores", _fixed(1, "pipeline", "server", "cores", "snac")),
         ("SNAC busy", _percent("pipeline", "snac", "busy_share")),
         ("SNAC batches", _fixed(0, "pipeline", "snac", "batches")),
         ("mean batch", _fixed(1, "pipeline", "snac", "mean_batch")),

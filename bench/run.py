@@ -22,6 +22,7 @@ from bench import engine_level, webrtc_level
 from bench.budget import BudgetedEngine, budgeted, sentence_budgets
 from bench.client_pool import ClientPool
 from bench.corpus import MAX_USERS_PHRASE, all_texts
+from bench.gateway_procs import GatewayWatch
 from bench.machine import machine_info
 from bench.models import chosen_model, engine_config, model_shape
 from bench.plots import plot_scenario
@@ -156,8 +157,9 @@ async def _run_scenario(entry: dict[str, Any], runner: PointRunner, synth: Synth
 
 async def _measure_point(runner: PointRunner, planned: Workload, users: int, synth: Synthesizer | None,
                          options: BenchOptions, client_pids: Sequence[int]) -> dict[str, Any]:
-    probe = PointProbe(synth.decoder if synth is not None else None, client_pids)
-    probe.start()
+    gateway = GatewayWatch(options.gateway_url, options.gateway_pid) if options.gateway_url else None
+    probe = PointProbe(synth.decoder if synth is not None else None, client_pids, gateway)
+    await probe.start()
     records = await runner(planned, options)
     pipeline = await probe.stop()
     return {"users": users, "summary": summarize(records, users, options.buffers_ms), "pipeline": pipeline,

@@ -65,6 +65,7 @@ class BenchOptions:
     connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY
     client_processes: int = 0  # webrtc: 0 = client peers in the benchmark's own event loop
     gateway_url: str | None = None  # webrtc against a gateway running elsewhere (no engine in this process)
+    gateway_pid: int | None = None  # that gateway's supervisor, on this host: its processes' CPU per point
     out_dir: Path | None = None  # None: bench-results/<timestamp>/
     plots: bool = True
     keep_arrivals: bool = False
@@ -160,7 +161,10 @@ def _add_bench_arguments(group: Any) -> None:
     group.add_argument("--gateway-url", default=None, metavar="URL",
                        help="webrtc level against a gateway that is already running (e.g. `serve --workers 8`), "
                             "no engine in this process; its model must stop by itself (no token budgets), so "
-                            "--tokens-per-char is 0, and the CPU split covers only the client processes")
+                            "--tokens-per-char is 0; SNAC's batching comes from its /metrics")
+    group.add_argument("--gateway-pid", type=int, default=None, metavar="PID",
+                       help="with --gateway-url on this host: the pid of its `serve --workers` supervisor, whose "
+                            "processes' CPU (workers, vllm serve, engine core, SNAC process) each point reports")
     group.add_argument("--client-processes", type=int, default=0, metavar="K",
                        help="webrtc: run the client peers in K processes of their own, so they don't share the "
                             "gateway's event loop (use for more than a few dozen peers) [default: 0 = in-process]")
@@ -188,6 +192,18 @@ def _tokens_per_char(args: argparse.Namespace, model_default: float) -> float:
     if args.quick and model_default > 0:
         return min(model_default, QUICK_TOKENS_PER_CHAR)
     return model_default
+
+
+def _gateway_pid(args: argparse.Namespace) -> int | None:
+    if args.gateway_pid is None:
+        return None
+    import psutil
+
+    if not args.gateway_url:
+        raise SystemExit("--gateway-pid needs --gateway-url (the gateway whose processes it names)")
+    if not psutil.pid_exists(args.gateway_pid):
+        raise SystemExit(f"--gateway-pid {args.gateway_pid}: no such process on this host")
+    return int(args.gateway_pid)
 
 
 def listened_buffers(buffers_ms: list[int], listener_buffer_ms: int) -> list[int]:
@@ -222,6 +238,7 @@ def options_from_args(args: argparse.Namespace, default_tokens_per_char: float) 
         connect_concurrency=args.connect_concurrency,
         client_processes=max(0, args.client_processes),
         gateway_url=args.gateway_url.rstrip("/") if args.gateway_url else None,
+        gateway_pid=_gateway_pid(args),
         out_dir=args.out,
         plots=not args.no_plots,
         keep_arrivals=args.keep_arrivals,

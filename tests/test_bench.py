@@ -337,3 +337,30 @@ def test_snac_work_sees_a_gpu_recompute_what_a_cat_used_only_by_taps_holds() -> 
         sines[tail_from_fresh] = sum(n.values * n.sins for n in snac_work.evaluated_ops(graphs[-1]))
     assert sines[True] == x.numel()  # each fresh value's sine once
     assert sines[False] >= 7 * x.numel(), sines  # once per tap
+
+
+def test_snac_counters_sum_every_decoder_in_a_merged_exposition() -> None:
+    """SNAC's batching over `--gateway-url` comes from the gateway's merged /metrics: the counters of each
+    process that decodes (here two, as two workers' own decoders) add up; buckets and other metrics do not."""
+    from prometheus_client import CollectorRegistry
+
+    from bench.gateway_procs import snac_counters
+    from gateway.service.metrics import Metrics, SnacMetrics, merge_worker_expositions
+
+    first, second = SnacMetrics(CollectorRegistry()), SnacMetrics(CollectorRegistry())
+    first.observe_decode_batch(64, 0.004, 1, 64)
+    first.observe_decode_batch(32, 0.002, 1, 30)
+    second.observe_decode_batch(8, 0.001, 1, 8)
+    merged = merge_worker_expositions({"w0": first.render().decode(), "snac": second.render().decode(),
+                                       "w1": Metrics().render().decode()})
+    totals = snac_counters(merged.decode())
+    assert totals == {"batches": 3, "windows": 104, "busy_s": pytest.approx(0.007), "frames": 102}
+    assert snac_counters(Metrics().render().decode()) == dict.fromkeys(totals, 0.0)
+
+
+def test_cpu_by_kind_counts_a_process_started_mid_point_from_zero() -> None:
+    from bench.gateway_procs import cpu_by_kind
+
+    before = {10: ("worker", 5.0), 11: ("worker", 7.0), 12: ("snac", 2.0)}
+    after = {10: ("worker", 6.5), 11: ("worker", 7.5), 13: ("snac", 0.4)}  # the SNAC process was restarted
+    assert cpu_by_kind(before, after) == {"worker": 2.0, "snac": 0.4}

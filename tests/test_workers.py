@@ -214,18 +214,24 @@ async def test_one_snac_process_decodes_for_every_worker_and_is_restarted(worker
 
 
 def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> None:
-    """`bench --gateway-url`: the WebRTC level against a gateway in other processes, clients in their own."""
+    """`bench --gateway-url --gateway-pid`: the WebRTC level against a gateway in other processes, clients in
+    their own; each point splits the gateway's CPU by process and reads SNAC's batching from its /metrics."""
     from bench.run import main
 
     out = tmp_path / "bench"
-    argv = ["--gateway-url", workers.url, "--quick", "--scenario", "streaming", "--streaming-users", "2",
-            "--client-processes", "2", "--warmup", "0", "--no-plots", "--out", str(out)]
+    argv = ["--gateway-url", workers.url, "--gateway-pid", str(workers.proc.pid), "--quick", "--scenario",
+            "streaming", "--streaming-users", "2", "--client-processes", "2", "--warmup", "0", "--no-plots",
+            "--out", str(out)]
     assert main(argv) == 0
     run = json.loads((out / "bench.json").read_text())
     (point,) = run["scenarios"][0]["points"]
     assert run["gateway_url"] == workers.url and run["scenarios"][0]["level"] == "webrtc"
     assert point["summary"]["ok"] == 2 and all(r["audio_s"] > 0 for r in point["requests"])
-    assert point["pipeline"]["cpu_s"]["client_processes"] > 0
+    pipeline = point["pipeline"]
+    assert pipeline["cpu_s"]["client_processes"] > 0
+    assert pipeline["server"]["cpu_s"]["worker"] > 0 and pipeline["server"]["cpu_s"]["snac"] > 0
+    # the shared SNAC process decoded both users' audio: its steps, seen through the workers' merged /metrics
+    assert pipeline["snac"]["batches"] > 0 and pipeline["snac"]["new_frames"] > 0
 
 def test_fault_bench_kills_the_snac_process_and_every_utterance_ends_once(workers: Workers, tmp_path: Path) -> None:
     """`bench.faults` against the running workers, the SNAC fault (seconds; a killed worker's peers take ~30 s of

@@ -57,7 +57,8 @@ if [ $RC -eq 0 ] && [ -n "$FAULT_ARGS" ]; then
   echo "faults rc=$?"
   grep -E "^\[|^\|" $OUT/$NAME/faults.log | tail -c 7000
 elif [ $RC -eq 0 ]; then
-  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --out $OUT/$NAME $BENCH_ARGS \
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --gateway-pid $SERVE_PID \
+    --out $OUT/$NAME $BENCH_ARGS \
     > $OUT/$NAME/bench.log 2>&1
   echo "bench rc=$?"
   grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/bench.log | tail -c 7000
