@@ -4,10 +4,11 @@ thread owns it, and each step advances all streams that have a frame to decode i
 Deadline scheduling: a step costs the GPU almost as much for 14 streams as for 64 (H200, compiled bf16: ~1 ms
 against 1.7; 256: 6 ms), and each step delays the engine's own. So the worker steps when a ready stream is due
 (its audio runs less than `DUE_LEAD_S` ahead of its listener) or the last step is `MAX_HOLD_S` old; streams with
-lead to spare wait for that step and join it. Stepping at every new frame ran 1260 steps of 14 streams on average
-in 8.1 s at 256 users (engine level, H200, 2026-12-05), while generation ran 1.22x slower than without SNAC
-beside it (~20 % of the GPU for SNAC where its work alone is ~7 %). A step takes the ready
-streams by lead, least first, up to `max_batch`; a stream far ahead waits a step when the batch is full.
+lead to spare wait for that step and join it. At 256 users (engine level) stepping at every new frame ran 1260
+steps of 14 streams in 8.1 s (H200); with a 50 ms due lead, 244 steps of 74 (H100). Generation beside SNAC ran
+1.22x and 1.19x slower than alone: the step count was not what slowed it (docs/benchmarks.md, 2026-12-05 night).
+A step takes the ready streams by lead, least first, up to `max_batch`; a stream far ahead waits a step when
+the batch is full.
 
 Fast start: a stream's first audio comes from `StreamingSnac.bridge` (an approximate decode of its latest
 frames, crossfaded into what follows) as soon as `1 + lookahead` frames are in (lookahead 0 when the engine's
@@ -51,9 +52,13 @@ FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 # Frames a stream's first audio waits for beyond its own unless the tokens come fast (then 0): one frame of right
 # context is where the bridge's error falls to the crossfade's scale (`snac_stream`'s window measurements).
 FIRST_AUDIO_LOOKAHEAD = 1
-# A stream whose audio runs less than this ahead of its listener is stepped now: a step and its delivery take
-# ~15 ms at 256 streams on an H200, the event loop's lag under load reaches tens of ms; 50 ms leaves both.
-DUE_LEAD_S = 0.05
+# A stream whose audio runs less than this ahead of its listener is stepped now. Its audio must then reach the
+# playout before the lead runs out, through the worker's longest tick (engine level, H100: 67 ms at 384 streams,
+# 144 at 448) and, with the shared SNAC process, a socket and a busy worker's event loop. 50 ms was too little:
+# over WebRTC, peers buffering 500 ms (so their streams hovered at 50 ms of decoded audio, the rest waiting as
+# codes) kept 2 of 384 real time where the same peers at 0 ms (every stream due) kept 275. Listeners at 0 ms are
+# below it from their first audio on, as before.
+DUE_LEAD_S = 0.2
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
