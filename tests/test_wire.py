@@ -139,7 +139,7 @@ async def test_a_headless_peer_gives_up_on_an_offer_that_is_never_answered() -> 
     async with TestServer(app) as server:
         peer = HeadlessPeer(str(server.make_url("")).rstrip("/"))
         started = time.monotonic()
-        with pytest.raises(TimeoutError, match="no session with"):
+        with pytest.raises(TimeoutError, match=r"no session with .* waiting for the offer; events so far \[\]"):
             await peer.connect(timeout=1.0)
         assert time.monotonic() - started < 5
         await peer.close()

@@ -117,7 +117,10 @@ class HeadlessPeer:
         except TimeoutError as exc:
             if str(exc):  # `wait_event`'s own, which says what did come
                 raise
-            raise TimeoutError(f"no session with {self.base_url} within {timeout} s (offer, ICE or DTLS)") from None
+            stage = "the offer" if self.session_id is None else f"ICE/DTLS (connection {self.pc.connectionState})"
+            seen = [e.message.get("type") for e in self.events]
+            raise TimeoutError(f"no session with {self.base_url} within {timeout} s: waiting for {stage}; "
+                               f"events so far {seen}") from None
 
     async def _negotiate(self, timeout: float) -> dict[str, Any]:
         """Offer, answer, then the `ready` event (`connect` bounds the whole)."""
