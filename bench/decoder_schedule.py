@@ -1,7 +1,10 @@
 """The stream decoder's deadline scheduling under a steady load: N sentences at once, their frames arriving at a
 generation pace (starts spread over one frame interval), each listener holding `--listener-ms` before it plays
-what comes. Per hold (0: a step whenever a frame is in, as the decoder did before; 0.05: the gateway's
-`MAX_HOLD_S`): the steps, streams per step, the decoder's busy share, and the listeners' stalls.
+what comes, each chunk reaching it `--delivery-ms` after the decoder hands it out (with the shared SNAC process: a
+socket and a busy worker's event loop; the lead the decoder reads counts only what has arrived). Per hold (0: a
+step whenever a frame is in, as the decoder did before; 0.05: the gateway's `MAX_HOLD_S`) and due lead
+(`--due-ms`, the gateway's `DUE_LEAD_S` by default): the steps, streams per step, the decoder's busy share, and
+the listeners' stalls.
 
     .venv/bin/python -m bench.decoder_schedule            # CPU: a random-weight SNAC built here, 8 streams
     python -m bench.decoder_schedule --snac DIR --device cuda --streams 64,256 --out decoder_schedule.json
@@ -26,7 +29,7 @@ from bench.timing import simulate_playback
 from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
 from gateway.speech.snac_stream import StreamingSnac
-from gateway.speech.stream_decoder import MAX_HOLD_S, StreamDecoder
+from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 
@@ -36,6 +39,8 @@ class ScheduleRun:
     streams: int
     listener_ms: int
     hold_ms: float
+    due_ms: float  # a stream with less lead is stepped at once
+    delivery_ms: float  # from the decoder to the listener
     pace: float  # generation speed, times real time
     frames: int  # per sentence
     wall_s: float
@@ -51,14 +56,15 @@ class ScheduleRun:
     audio_complete: bool  # every sentence's audio came out whole
 
 
-async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float
-                  ) -> ScheduleRun:
-    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s)
+async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float,
+                  due_s: float = DUE_LEAD_S, delivery_s: float = 0.0) -> ScheduleRun:
+    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s)
     interval = FRAME_S / pace
     try:
         start = time.monotonic()
         results = await asyncio.gather(*(
-            _sentence(decoder, random_frames(frames, seed=i), start + interval * i / streams, interval, listener_s)
+            _sentence(decoder, random_frames(frames, seed=i), start + interval * i / streams, interval, listener_s,
+                      delivery_s)
             for i in range(streams)))
         wall = time.monotonic() - start
     finally:
@@ -66,7 +72,8 @@ async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, l
     stats = decoder.stats
     playbacks = [simulate_playback(arrivals, listener_s) for _, arrivals, _ in results]
     return ScheduleRun(
-        streams, round(listener_s * 1000), round(hold_s * 1000, 1), pace, frames, round(wall, 2), stats.batches,
+        streams, round(listener_s * 1000), round(hold_s * 1000, 1), round(due_s * 1000, 1), round(delivery_s * 1000, 1),
+        pace, frames, round(wall, 2), stats.batches,
         stats.held_steps, round(stats.windows / stats.batches, 1) if stats.batches else 0.0,
         round(stats.batches / wall, 1), round(stats.busy_s / wall, 3), round(stats.longest_tick_s * 1000, 1),
         round(statistics.median(first for first, _, _ in results) * 1000, 1),
@@ -74,16 +81,21 @@ async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, l
         all(samples == frames * SAMPLES_PER_FRAME for _, _, samples in results))
 
 
-async def _sentence(decoder: StreamDecoder, frames: list[Frame], start: float, interval: float, listener_s: float
-                    ) -> tuple[float, list[tuple[float, float]], int]:
-    """One sentence: its frames pushed on the clock, its audio timed. Returns (first audio after its first frame,
-    arrivals as (seconds, audio seconds), samples). The lead is the synthesizer's: audio out less the time since
-    the first audio, plus what the listener holds."""
+async def _sentence(decoder: StreamDecoder, frames: list[Frame], start: float, interval: float, listener_s: float,
+                    delivery_s: float) -> tuple[float, list[tuple[float, float]], int]:
+    """One sentence: its frames pushed on the clock, its audio timed where the listener gets it (`delivery_s`
+    after the decoder). Returns (first audio after its first frame, arrivals as (seconds, audio seconds),
+    samples). The lead is the synthesizer's over what has arrived: audio in less the time since the first
+    audio, plus what the listener holds."""
     arrivals: list[tuple[float, float]] = []
     samples = 0
 
     def lead_s() -> float:
-        return samples / SAMPLE_RATE - (time.monotonic() - arrivals[0][0]) + listener_s if arrivals else 0.0
+        now = time.monotonic()
+        if not arrivals or arrivals[0][0] > now:
+            return 0.0
+        arrived = sum(duration for at, duration in arrivals if at <= now)
+        return arrived - (now - arrivals[0][0]) + listener_s
 
     stream = decoder.open(lead_s)
 
@@ -98,7 +110,7 @@ async def _sentence(decoder: StreamDecoder, frames: list[Frame], start: float, i
         while (item := await stream.chunks.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            arrivals.append((time.monotonic(), len(item[0]) / SAMPLE_RATE))
+            arrivals.append((time.monotonic() + delivery_s, len(item[0]) / SAMPLE_RATE))
             samples += len(item[0])
     finally:
         decoder.release(stream)
@@ -120,9 +132,10 @@ def load_snac(path: str | None, device: str, streams: int) -> StreamingSnac:
 
 
 def table(runs: list[ScheduleRun]) -> str:
-    head = ("streams", "listener ms", "hold ms", "steps", "held", "mean batch", "steps/s", "busy", "longest tick ms",
-            "first audio p50 ms", "stalled", "stalled ms max", "complete")
-    rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", str(r.steps), str(r.held_steps),
+    head = ("streams", "listener ms", "hold ms", "due ms", "delivery ms", "steps", "held", "mean batch", "steps/s",
+            "busy", "longest tick ms", "first audio p50 ms", "stalled", "stalled ms max", "complete")
+    rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", f"{r.due_ms:g}", f"{r.delivery_ms:g}",
+                      str(r.steps), str(r.held_steps),
                       f"{r.mean_batch:.1f}", f"{r.steps_per_s:.1f}", f"{r.busy_share:.0%}", f"{r.longest_tick_ms:.0f}",
                       f"{r.first_audio_p50_ms:.0f}", f"{r.streams_stalled}/{r.streams}", f"{r.stalled_ms_max:.0f}",
                       "yes" if r.audio_complete else "NO") for r in runs]
@@ -141,10 +154,12 @@ async def main_async(args: argparse.Namespace, report: Callable[[str], None]) ->
     for streams in args.streams:
         for listener_ms in args.listener_ms:
             for hold_s in args.holds:
-                run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s)
-                report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms: {run.steps} steps "
-                       f"of {run.mean_batch:.1f}, {run.streams_stalled} stalled")
-                runs.append(run)
+                for due_ms in args.due_ms:
+                    run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s,
+                                        due_ms / 1000, args.delivery_ms / 1000)
+                    report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms, due "
+                           f"{due_ms:g} ms: {run.steps} steps of {run.mean_batch:.1f}, {run.streams_stalled} stalled")
+                    runs.append(run)
     return runs
 
 
@@ -155,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace", type=float, default=1.2, help="generation speed, times real time")
     parser.add_argument("--listener-ms", type=_floats, default=[0.0, 500.0])
     parser.add_argument("--holds", type=_floats, default=[0.0, MAX_HOLD_S], help="seconds (0: step at every frame)")
+    parser.add_argument("--due-ms", type=_floats, default=[DUE_LEAD_S * 1000],
+                        help="due leads to compare, ms (default: the gateway's DUE_LEAD_S)")
+    parser.add_argument("--delivery-ms", type=float, default=0.0,
+                        help="from the decoder to the listener, ms (0: in the same process, at once)")
     parser.add_argument("--snac", help="a SNAC 24 kHz checkpoint (default: a random-weight one, built here, on CPU)")
     parser.add_argument("--device", default="auto", help="with --snac: the gateway's --snac-device")
     parser.add_argument("--out", type=Path, help="write the runs as JSON here")

@@ -158,16 +158,17 @@ def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_pat
 
 def test_decoder_schedule_decodes_every_stream_whole_with_and_without_the_hold(tmp_path: Path) -> None:
     """bench.decoder_schedule (CPU smoke): paced streams through the gateway's StreamDecoder, stepping at every frame
-    and with the hold; every sentence's audio comes out whole either way."""
+    and with the hold, at two due leads, the audio reaching its listener 30 ms late; every sentence's audio comes
+    out whole each time."""
     from bench import decoder_schedule
 
     out = tmp_path / "schedule.json"
     assert decoder_schedule.main(["--streams", "2", "--frames", "6", "--listener-ms", "500", "--holds", "0,0.05",
-                                  "--out", str(out)]) == 0
-    every_frame, held = json.loads(out.read_text())["runs"]
-    assert every_frame["audio_complete"] and held["audio_complete"]
-    assert every_frame["steps"] >= 6 and held["steps"] >= 6  # a step advances a stream by one frame
-    assert (every_frame["hold_ms"], held["hold_ms"]) == (0, 50)
+                                  "--due-ms", "50,200", "--delivery-ms", "30", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["hold_ms"], r["due_ms"], r["delivery_ms"]) for r in runs] == [
+        (0, 50, 30), (0, 200, 30), (50, 50, 30), (50, 200, 30)]
+    assert all(r["audio_complete"] and r["steps"] >= 6 for r in runs)  # a step advances a stream by one frame
 
 
 def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:

@@ -97,10 +97,12 @@ class StreamDecoder:
     """Owns a `StreamingSnac` in one worker thread; `open` a stream per sentence."""
 
     def __init__(self, snac: StreamingSnac, max_batch: int = 256,
-                 on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S) -> None:
+                 on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S,
+                 due_lead_s: float = DUE_LEAD_S) -> None:
         self.snac = snac
         self.max_batch = max_batch
         self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
+        self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
         # Lead at which the exact stream takes over from the bridge (`_bridge`).
         self.handover_lead_s = snac.delay_samples / SAMPLE_RATE + HANDOVER_MARGIN_S
@@ -187,9 +189,9 @@ class StreamDecoder:
         return now + min(waits) if waits else None
 
     def _step_due_in(self, lead_s: float, now: float) -> float:
-        """Seconds until a ready stream with this lead must be stepped: until its lead falls to `DUE_LEAD_S` or
+        """Seconds until a ready stream with this lead must be stepped: until its lead falls to `due_lead_s` or
         the last step is `hold_s` old, whichever comes first (0: now)."""
-        return max(0.0, min(lead_s - DUE_LEAD_S, self._last_step + self.hold_s - now))
+        return max(0.0, min(lead_s - self.due_lead_s, self._last_step + self.hold_s - now))
 
     def _bridge_due(self, stream: DecodeStream) -> bool:
         """`_bridge` has something to do for this stream: its first audio, or (while it bridges) a decision on
@@ -248,7 +250,7 @@ class StreamDecoder:
         """Step the ready streams (`leads`: each one's lead) by lead, least first, up to `max_batch`."""
         t0 = time.perf_counter()
         batch = sorted(leads, key=leads.__getitem__)[:self.max_batch]  # the closest to running dry first
-        held = leads[batch[0]] >= DUE_LEAD_S
+        held = leads[batch[0]] >= self.due_lead_s
         self._last_step = t0
         try:
             pcm = self.snac.step_batch([s.handle for s in batch])  # type: ignore[misc]
