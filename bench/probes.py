@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind
+from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind, gateway_tree
 from bench.timing import describe
 from gateway.speech.stream_decoder import THREAD_NAME, DecodeStats
 
@@ -51,8 +51,9 @@ def _thread_ids() -> tuple[int | None, int | None]:
     return loop_id, snac_id
 
 
-def cpu_snapshot(decoder: Any, client_pids: Collection[int] = ()) -> CpuSnapshot:
-    """CPU seconds so far by thread group and child process, and the SNAC worker's counters."""
+def cpu_snapshot(decoder: Any, client_pids: Collection[int] = (), gateway_pids: Collection[int] = ()) -> CpuSnapshot:
+    """CPU seconds so far by thread group and child process, and the SNAC worker's counters. `gateway_pids`: a
+    gateway this process started (tests), counted by `GatewayWatch` instead of as engine processes."""
     proc = psutil.Process()
     loop_id, snac_id = _thread_ids()
     by_thread = {t.id: t.user_time + t.system_time for t in proc.threads()}
@@ -61,6 +62,8 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = ()) -> CpuSnapshot
     children: dict[int, float] = {}
     clients: dict[int, float] = {}
     for child in proc.children(recursive=True):
+        if child.pid in gateway_pids:
+            continue
         with contextlib.suppress(psutil.Error):
             times = child.cpu_times()
             (clients if child.pid in client_pids else children)[child.pid] = times.user + times.system
@@ -182,12 +185,12 @@ class PointProbe:
     async def start(self) -> None:
         if self.gateway is not None:
             self.gateway_before = await self.gateway.snapshot()
-        self.before = cpu_snapshot(self.decoder, self.client_pids)
+        self.before = cpu_snapshot(self.decoder, self.client_pids, self._gateway_pids())
         self.monitor.start()
 
     async def stop(self) -> dict[str, Any]:
         lag = await self.monitor.stop()
-        after = cpu_snapshot(self.decoder, self.client_pids)
+        after = cpu_snapshot(self.decoder, self.client_pids, self._gateway_pids())
         assert self.before is not None, "start() first"
         result = {**cpu_delta(self.before, after), "loop_lag_ms": lag}
         if self.decoder is None:
@@ -195,3 +198,7 @@ class PointProbe:
         if self.gateway is not None and self.gateway_before is not None:
             result.update(gateway_delta(self.gateway_before, await self.gateway.snapshot(), result["wall_s"]))
         return result
+
+    def _gateway_pids(self) -> set[int]:
+        pid = self.gateway.supervisor_pid if self.gateway is not None else None
+        return {p.pid for p in gateway_tree(pid)} if pid is not None else set()
