@@ -41,7 +41,7 @@ class CpuSnapshot:
     snac_window_frames: int  # frames run through SNAC
     snac_busy_s: float
     snac_held_steps: int  # steps taken when the hold ran out, no stream due
-    snac_longest_tick_s: float  # the decoder's longest tick since the previous snapshot
+    snac_tick_ms: list[int]  # the decoder's ticks by whole milliseconds so far (DecodeStats.tick_ms)
     host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
@@ -68,11 +68,10 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = (), gateway_pids: 
             times = child.cpu_times()
             (clients if child.pid in client_pids else children)[child.pid] = times.user + times.system
     stats = decoder.stats if decoder is not None else DecodeStats()  # None: the gateway runs elsewhere
-    longest_tick_s, stats.longest_tick_s = stats.longest_tick_s, 0.0  # a maximum: each point's own, from here
     host = psutil.cpu_times()
     return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
                        stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s,
-                       stats.held_steps, longest_tick_s,
+                       stats.held_steps, list(stats.tick_ms),
                        host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
 
 
@@ -113,7 +112,7 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             # deadline scheduling (gateway.speech.stream_decoder): steps taken because the hold ran out rather
             # than a stream being due, and the longest the worker was busy in one tick (bridges and step)
             "held_steps": after.snac_held_steps - before.snac_held_steps,
-            "longest_tick_ms": round(after.snac_longest_tick_s * MS, 1),
+            "longest_tick_ms": longest_tick_ms(before.snac_tick_ms, after.snac_tick_ms),
             "new_frames": frames,
             "window_frames": window_frames,
             # recomputation: 1.0 for the exact stream (one frame per stream-step); its bridge's decodes are not
@@ -122,6 +121,12 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },
     }
+
+
+def longest_tick_ms(before: list[int], after: list[int]) -> int | None:
+    """The longest decoder tick between two readings of its counts, in whole ms (None: no tick)."""
+    longest = [ms for ms, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+    return longest[-1] if longest else None
 
 
 @dataclass

@@ -365,3 +365,21 @@ def test_cpu_by_kind_counts_a_process_started_mid_point_from_zero() -> None:
     before = {10: ("worker", 5.0), 11: ("worker", 7.0), 12: ("snac", 2.0)}
     after = {10: ("worker", 6.5), 11: ("worker", 7.5), 13: ("snac", 0.4)}  # the SNAC process was restarted
     assert cpu_by_kind(before, after) == {"worker": 2.0, "snac": 0.4}
+
+
+def test_the_longest_decoder_tick_between_two_readings_comes_from_the_counts() -> None:
+    """bench.probes reads the decoder's tick counts at a point's start and end (it no longer resets the decoder's
+    own maximum): the longest tick in between, in whole ms; the longest before the point does not count."""
+    from bench.probes import longest_tick_ms
+    from gateway.speech.stream_decoder import TICK_MS_BUCKETS, DecodeStats
+
+    stats = DecodeStats()
+    stats.count_tick(0.250)  # before the point
+    before = list(stats.tick_ms)
+    stats.count_tick(0.0123)
+    stats.count_tick(0.0031)
+    after = list(stats.tick_ms)
+    assert longest_tick_ms(before, after) == 12 and stats.longest_tick_s == 0.250
+    assert longest_tick_ms(after, list(stats.tick_ms)) is None  # no tick since
+    stats.count_tick(3.0)
+    assert longest_tick_ms(after, list(stats.tick_ms)) == TICK_MS_BUCKETS - 1  # 1 s or more

@@ -62,6 +62,7 @@ DUE_LEAD_S = 0.2
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
+TICK_MS_BUCKETS = 1001  # DecodeStats.tick_ms: 0..999 ms, then 1 s or more
 THREAD_NAME = "snac-stream-decoder"  # the worker thread (bench.probes reads its CPU time by this name)
 
 
@@ -76,6 +77,13 @@ class DecodeStats:
     busy_s: float = 0.0
     held_steps: int = 0  # steps taken when the hold ran out, no stream due (the others: a stream was due)
     longest_tick_s: float = 0.0  # the longest tick (bridges and step): how long the worker answered nothing
+    # Ticks by whole milliseconds (the last: TICK_MS_BUCKETS - 1 or more), so a reader can find the longest tick
+    # between two of its reads from the counts alone; a list, whose copy another thread can take at any time.
+    tick_ms: list[int] = field(default_factory=lambda: [0] * TICK_MS_BUCKETS)
+
+    def count_tick(self, seconds: float) -> None:
+        self.longest_tick_s = max(self.longest_tick_s, seconds)
+        self.tick_ms[min(int(seconds * 1000), TICK_MS_BUCKETS - 1)] += 1
 
 
 @dataclass(eq=False)
@@ -244,7 +252,7 @@ class StreamDecoder:
             if self._step_due_in(min(leads.values()), time.perf_counter()) <= 0:
                 self._step(leads)
         self._finish_done()
-        self.stats.longest_tick_s = max(self.stats.longest_tick_s, time.perf_counter() - t0)
+        self.stats.count_tick(time.perf_counter() - t0)
 
     def _step(self, leads: dict[DecodeStream, float]) -> None:
         """Step the ready streams (`leads`: each one's lead) by lead, least first, up to `max_batch`."""
