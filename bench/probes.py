@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind, gateway_tree
+from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind
 from bench.timing import describe
 from gateway.speech.stream_decoder import THREAD_NAME, DecodeStats
 
@@ -103,12 +103,7 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "client_cores": round(clients / wall, 2) if wall > 0 else None,
         },
         "snac": {
-            "batches": batches,
-            "windows": windows,
-            "mean_batch": round(windows / batches, 2) if batches else None,
-            "busy_s": round(busy, 3),
-            "busy_share": round(busy / wall, 3) if wall > 0 else None,
-            "ms_per_batch": round(busy / batches * MS, 2) if batches else None,
+            **snac_batching(batches, windows, busy, wall),
             # deadline scheduling (gateway.speech.stream_decoder): steps taken because the hold ran out rather
             # than a stream being due, and the longest the worker was busy in one tick (bridges and step)
             "held_steps": after.snac_held_steps - before.snac_held_steps,
@@ -120,6 +115,19 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "frames_per_new_frame": round(window_frames / frames, 3) if frames else None,
             "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },
+    }
+
+
+def snac_batching(batches: int, windows: int, busy_s: float, wall_s: float) -> dict[str, Any]:
+    """SNAC's steps over a point: how many, streams per step, and the decoder's busy time (in this process or,
+    from its /metrics, in a gateway elsewhere)."""
+    return {
+        "batches": batches,
+        "windows": windows,
+        "mean_batch": round(windows / batches, 2) if batches else None,
+        "busy_s": round(busy_s, 3),
+        "busy_share": round(busy_s / wall_s, 3) if wall_s > 0 else None,
+        "ms_per_batch": round(busy_s / batches * MS, 2) if batches else None,
     }
 
 
@@ -162,16 +170,8 @@ def gateway_delta(before: GatewaySnapshot, after: GatewaySnapshot, wall_s: float
                                         else {}}}
     if before.snac is not None and after.snac is not None:
         d = {key: after.snac[key] - before.snac[key] for key in after.snac}
-        batches, windows, busy, frames = int(d["batches"]), int(d["windows"]), d["busy_s"], int(d["frames"])
-        delta["snac"] = {
-            "batches": batches,
-            "windows": windows,
-            "mean_batch": round(windows / batches, 2) if batches else None,
-            "busy_s": round(busy, 3),
-            "busy_share": round(busy / wall_s, 3) if wall_s > 0 else None,
-            "ms_per_batch": round(busy / batches * MS, 2) if batches else None,
-            "new_frames": frames,
-        }
+        delta["snac"] = {**snac_batching(int(d["batches"]), int(d["windows"]), d["busy_s"], wall_s),
+                         "new_frames": int(d["frames"])}
     return delta
 
 
@@ -190,20 +190,22 @@ class PointProbe:
     async def start(self) -> None:
         if self.gateway is not None:
             self.gateway_before = await self.gateway.snapshot()
-        self.before = cpu_snapshot(self.decoder, self.client_pids, self._gateway_pids())
+        self.before = cpu_snapshot(self.decoder, self.client_pids, _pids(self.gateway_before))
         self.monitor.start()
 
     async def stop(self) -> dict[str, Any]:
         lag = await self.monitor.stop()
-        after = cpu_snapshot(self.decoder, self.client_pids, self._gateway_pids())
+        gateway_after = await self.gateway.snapshot() if self.gateway is not None else None
+        after = cpu_snapshot(self.decoder, self.client_pids, _pids(gateway_after))
         assert self.before is not None, "start() first"
         result = {**cpu_delta(self.before, after), "loop_lag_ms": lag}
         if self.decoder is None:
             del result["snac"]  # no decoder here: its zeros would read as "SNAC did nothing"
-        if self.gateway is not None and self.gateway_before is not None:
-            result.update(gateway_delta(self.gateway_before, await self.gateway.snapshot(), result["wall_s"]))
+        if self.gateway_before is not None and gateway_after is not None:
+            result.update(gateway_delta(self.gateway_before, gateway_after, result["wall_s"]))
         return result
 
-    def _gateway_pids(self) -> set[int]:
-        pid = self.gateway.supervisor_pid if self.gateway is not None else None
-        return {p.pid for p in gateway_tree(pid)} if pid is not None else set()
+
+def _pids(gateway: GatewaySnapshot | None) -> set[int]:
+    """The processes of a gateway this process started (tests), read with it: counted under their kinds only."""
+    return set(gateway.cpu) if gateway is not None else set()
