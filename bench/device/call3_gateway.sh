@@ -15,19 +15,12 @@ export PYTHONPATH=/tmp/site:$SRC VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STA
 python3 -c "import aiortc, av, gateway.rtc.session, bench.run; print('imports ok, aiortc', aiortc.__version__, 'av', av.__version__)" || exit 4
 GRAPHS=""
 [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
-if [ -n "$MPS" ]; then  # NVIDIA MPS: the engine's and SNAC's kernels side by side instead of time-sliced
-  if command -v nvidia-cuda-mps-control >/dev/null; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS daemon started"
-  else
-    echo "MPS asked for but nvidia-cuda-mps-control is missing: running without"; MPS=""
-  fi
-fi
+source bench/device/mps.sh; mps_start
 echo "=== bench.run $GRAPHS $BENCH_ARGS"
 timeout ${BENCH_TIMEOUT:-560} python3 -m bench.run --random-orpheus /tmp/orpheus-struct --out $OUT/$NAME $GRAPHS $BENCH_ARGS \
   > $OUT/$NAME/bench.log 2>&1
 echo "bench rc=$?"
-[ -n "$MPS" ] && { echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"; }
+mps_stop
 grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/bench.log | tail -c 9000
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 echo "call3 total $(( $(date +%s) - T0 ))s"

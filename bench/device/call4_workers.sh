@@ -5,6 +5,7 @@
 # carry: .devcarry/snap, and .devcarry/gw2 + .devcarry/pool the first time (bench/device/README.md)
 # env: NAME (output folder), WORKERS (8), SERVE_ARGS (extra gateway flags), BENCH_ARGS (bench.run flags),
 #      READY_TIMEOUT (s, 300), BENCH_TIMEOUT (s, 420),
+#      MPS (non-empty: under an NVIDIA MPS daemon, bench/device/mps.sh),
 #      FAULT_ARGS (bench.faults flags: run the fault injection instead of bench.run, e.g. "--peers 256")
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree
 cd $SRC
@@ -22,6 +23,7 @@ if [ -d $DC/pool ]; then  # carry .devcarry/pool (wheels): what `vllm serve` imp
   python3 bench/device/serve_deps.py $DC/pool /tmp/site || exit 4
 fi
 GRAPHS=""; [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
+source bench/device/mps.sh; mps_start
 setsid python3 -m gateway serve --workers $WORKERS --host 127.0.0.1 --port $PORT --model /tmp/orpheus-struct \
   --snac-model /tmp/orpheus-struct/snac --log-level warning $GRAPHS $SERVE_ARGS > $OUT/$NAME/serve.log 2>&1 &
 SERVE_PID=$!
@@ -67,6 +69,7 @@ fi
 kill -TERM -- -$SERVE_PID 2>/dev/null
 for _ in $(seq 30); do kill -0 $SERVE_PID 2>/dev/null || break; sleep 1; done
 kill -KILL -- -$SERVE_PID 2>/dev/null
+mps_stop
 grep -vE "Capturing CUDA|^\s*$" $OUT/$NAME/serve.log | tail -c 3000
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 echo "call4 total $(( $(date +%s) - T0 ))s"
