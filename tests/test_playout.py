@@ -243,6 +243,32 @@ async def test_jitter_buffer_waits_for_configured_audio() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_lead_is_what_the_listener_can_play_before_it_needs_more() -> None:
+    """The synthesis deadline: 0 while the listener waits for the buffer to fill (however much is queued), then
+    the utterance's queued audio; a later utterance waits behind the audio ahead of it; None once played out."""
+    track = PlayoutTrack(pace=False)
+    track.begin_utterance("a", 500)
+    assert track.lead_s("a") == 0.0 and track.lead_s("unknown") is None
+    track.push_pcm("a", ms_of_pcm(400))
+    assert track.lead_s("a") == 0.0  # 400 of 500 ms: the listener is waiting now
+    track.begin_utterance("b", 500)
+    track.push_pcm("b", ms_of_pcm(600))
+    assert track.lead_s("b") == pytest.approx(0.38, abs=0.021)  # a's queued audio plays first
+    track.push_pcm("a", ms_of_pcm(200))
+    await track.recv()  # starts a
+    assert track.lead_s("a") == pytest.approx(0.58, abs=0.021)
+    assert track.lead_s("b") == pytest.approx(0.58, abs=0.021)
+    for _ in range(10):
+        await track.recv()
+    assert track.lead_s("a") == pytest.approx(0.38, abs=0.021)
+    track.end_utterance("a")
+    while track.playing_utterance_id != "b":
+        await track.recv()
+    assert track.lead_s("a") is None
+    assert track.lead_s("b") == pytest.approx(0.58, abs=0.021)
+
+
+@pytest.mark.asyncio
 async def test_ended_short_utterance_plays_at_once() -> None:
     track = PlayoutTrack(pace=False)
     track.begin_utterance("u", 2000)

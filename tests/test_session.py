@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import av
@@ -216,6 +217,45 @@ async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gatew
         await peer.wait_event("done", "jb", timeout=120)
         samples, complete = seen["jb"]
         assert complete or samples >= 0.5 * 24000
+    finally:
+        await peer.close()
+
+
+async def test_a_buffered_listeners_decoding_deadline_is_its_playout(
+        base_url: str, gateway: GatewayState, synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 500 ms listener's stream is urgent (lead 0) until its buffer has filled and playback starts, then its
+    lead is the audio its track holds. (Modelled from the first audio plus 500 ms instead, the lead read ~0.5 s
+    while the listener was still waiting, and 384 lesson peers on an H200 ran dry after their start.)"""
+    peer = HeadlessPeer(base_url, jitter_buffer_ms=500)
+    await peer.connect()
+    session = session_of(gateway, peer)
+    leads: list[Callable[[], float]] = []
+    real_open = synthesizer.decoder.open
+
+    def open_stream(lead_s: Callable[[], float], *args: Any) -> Any:
+        leads.append(lead_s)
+        return real_open(lead_s, *args)
+
+    waiting: list[float] = []  # leads read while audio is queued but the track has not started it
+    playing: list[tuple[float, float | None]] = []  # (lead, the track's own figure) once it plays
+    real_push = session.track.push_pcm
+
+    def push(utterance_id: str, pcm: np.ndarray) -> bool:
+        pushed = real_push(utterance_id, pcm)
+        if leads and session.track.playing_utterance_id is None:
+            waiting.append(leads[0]())
+        elif leads:
+            playing.append((leads[0](), session.track.lead_s(utterance_id)))
+        return pushed
+
+    monkeypatch.setattr(synthesizer.decoder, "open", open_stream)
+    monkeypatch.setattr(session.track, "push_pcm", push)
+    try:
+        peer.speak("deadline", LONG_TEXT[:300])
+        await peer.wait_event("done", "deadline", timeout=120)
+        assert waiting and all(lead == 0.0 for lead in waiting)
+        assert playing and all(lead == held for lead, held in playing)
+        assert max(lead for lead, _ in playing) > 0.0
     finally:
         await peer.close()
 

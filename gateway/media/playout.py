@@ -344,6 +344,28 @@ class PlayoutTrack(MediaStreamTrack):
             return self._queue[0].utterance_id
         return None
 
+    def lead_s(self, utterance_id: str) -> float | None:
+        """How long the listener can go on from what is queued before it needs more of this utterance: once it
+        plays, its own queued audio; before that, the audio of the utterances ahead of it (0 when none: the
+        listener waits for this one's jitter buffer to fill); None when it is not queued (finished or dropped).
+
+        The synthesis deadline of a listener's stream: unlike a clock since the first audio plus the jitter
+        buffer, it counts when playback really began (a buffer filled by a fast start begins sooner) and every
+        underrun. Read from the SNAC decoder's thread: it only reads a dict, flags and deque lengths (a copy of
+        the queue is one C call under the GIL), so it needs no lock; the figure is good to one frame.
+        """
+        utt = self._by_id.get(utterance_id)
+        if utt is None:
+            return None
+        if utt.started:
+            return len(utt.frames) * FRAME_SECONDS
+        ahead = 0
+        for other in tuple(self._queue):
+            if other is utt:
+                break
+            ahead += len(other.frames)
+        return ahead * FRAME_SECONDS
+
     def played_ms(self, utterance_id: str) -> int | None:
         """Audio of a queued utterance returned so far (underrun silence not counted); None if not queued."""
         utt = self._by_id.get(utterance_id)

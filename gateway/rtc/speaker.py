@@ -4,6 +4,7 @@ repeat, from a recording) through the lesson's feed (rate, sentence markers, tim
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -100,8 +101,9 @@ class Speaker:
                        retry_after_s=EngineUnavailableError.retry_after_s)
             return
         feed = self.lesson.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
+        # The decoder's deadline for this utterance is what the track holds of it (its jitter buffer included).
         utterance.stats = stats = UtteranceStats(started=utterance.received_at,
-                                                 listener_buffer_s=self.jitter_buffer_ms / 1000)
+                                                 playout_lead_s=functools.partial(self.track.lead_s, utterance.id))
         try:
             async for chunk in synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats):
                 if chunk.first_of_sentence:

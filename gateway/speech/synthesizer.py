@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +86,15 @@ class UtteranceStats:
 
     started: float = field(default_factory=time.monotonic)
     # Audio the listener holds back before it plays (its jitter buffer): it counts toward the lead the decoder
-    # orders streams by, so a buffered listener's stream waits for one that plays what it gets at once.
+    # orders streams by, so a buffered listener's stream waits for one that plays what it gets at once. A model of
+    # a listener that starts a fixed time after the first audio; `playout_lead_s` replaces it where the playout
+    # is known.
     listener_buffer_s: float = 0.0
+    # The listener's own playout, when it is in this process (a WebRTC session's track): how long it can play on
+    # from the audio it holds of this utterance; None once the utterance left it. Called from the SNAC decoder's
+    # thread. It is the lead itself (H200 2026-12-05: 500 ms lesson peers ran dry 0.9-1.6 s into their audio when
+    # the lead was modelled from the first audio, because a buffer filled fast starts playback sooner).
+    playout_lead_s: Callable[[], float | None] | None = None
     first_token_at: float | None = None
     first_window_at: float | None = None  # the first frames went to the SNAC decoder (first audio = this + decode)
     first_audio_at: float | None = None
@@ -327,8 +334,11 @@ class Synthesizer:
 
     @staticmethod
     def _lead_s(stats: UtteranceStats) -> float:
-        """How far the utterance's audio out runs ahead of its listener's playback, whose buffer counts (0 before
-        its first audio: then every stream is urgent)."""
+        """How far the utterance's audio out runs ahead of its listener's playback: the listener's playout says so
+        where it is known, else the audio out since the first, less the time since, plus the listener's buffer
+        (0 before its first audio: then every stream is urgent)."""
+        if stats.playout_lead_s is not None and (held := stats.playout_lead_s()) is not None:
+            return held
         if stats.first_audio_at is None:
             return 0.0
         return stats.samples / SAMPLE_RATE - (time.monotonic() - stats.first_audio_at) + stats.listener_buffer_s
