@@ -50,6 +50,7 @@ class ScheduleRun:
     steps_per_s: float
     busy_share: float  # the decoder's step time (its GPU time where it waits for the device) over wall time
     longest_tick_ms: float
+    bridge_frames_per_frame: float  # the bridge's approximate decodes per new frame (the exact steps: 1 each)
     first_audio_p50_ms: float
     streams_stalled: int  # listeners whose playback paused at least once
     stalled_ms_max: float
@@ -59,6 +60,7 @@ class ScheduleRun:
 async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float,
                   due_s: float = DUE_LEAD_S, delivery_s: float = 0.0) -> ScheduleRun:
     decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s)
+    bridged_before = snac.stats.approx_frames
     interval = FRAME_S / pace
     try:
         start = time.monotonic()
@@ -76,6 +78,7 @@ async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, l
         pace, frames, round(wall, 2), stats.batches,
         stats.held_steps, round(stats.windows / stats.batches, 1) if stats.batches else 0.0,
         round(stats.batches / wall, 1), round(stats.busy_s / wall, 3), round(stats.longest_tick_s * 1000, 1),
+        round((snac.stats.approx_frames - bridged_before) / max(1, streams * frames), 3),
         round(statistics.median(first for first, _, _ in results) * 1000, 1),
         sum(1 for p in playbacks if p.stalls), round(max(p.stall_s for p in playbacks) * 1000, 1),
         all(samples == frames * SAMPLES_PER_FRAME for _, _, samples in results))
@@ -133,10 +136,12 @@ def load_snac(path: str | None, device: str, streams: int) -> StreamingSnac:
 
 def table(runs: list[ScheduleRun]) -> str:
     head = ("streams", "listener ms", "hold ms", "due ms", "delivery ms", "steps", "held", "mean batch", "steps/s",
-            "busy", "longest tick ms", "first audio p50 ms", "stalled", "stalled ms max", "complete")
+            "busy", "longest tick ms", "bridge frames/frame", "first audio p50 ms", "stalled", "stalled ms max",
+            "complete")
     rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", f"{r.due_ms:g}", f"{r.delivery_ms:g}",
                       str(r.steps), str(r.held_steps),
                       f"{r.mean_batch:.1f}", f"{r.steps_per_s:.1f}", f"{r.busy_share:.0%}", f"{r.longest_tick_ms:.0f}",
+                      f"{r.bridge_frames_per_frame:.2f}",
                       f"{r.first_audio_p50_ms:.0f}", f"{r.streams_stalled}/{r.streams}", f"{r.stalled_ms_max:.0f}",
                       "yes" if r.audio_complete else "NO") for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

@@ -42,6 +42,7 @@ class CpuSnapshot:
     snac_busy_s: float
     snac_held_steps: int  # steps taken when the hold ran out, no stream due
     snac_tick_ms: list[int]  # the decoder's ticks by whole milliseconds so far (DecodeStats.tick_ms)
+    snac_bridge_frames: int  # frames run through the bridge's approximate decodes (StreamingSnac.stats)
     host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
@@ -72,6 +73,7 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = (), gateway_pids: 
     return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
                        stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s,
                        stats.held_steps, list(stats.tick_ms),
+                       decoder.snac.stats.approx_frames if decoder is not None else 0,
                        host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
 
 
@@ -85,6 +87,7 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
     frames = after.snac_frames - before.snac_frames
     window_frames = after.snac_window_frames - before.snac_window_frames
     busy = after.snac_busy_s - before.snac_busy_s
+    bridge_frames = after.snac_bridge_frames - before.snac_bridge_frames
     return {
         "wall_s": round(wall, 3),
         "cpu_s": {
@@ -110,9 +113,12 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "longest_tick_ms": longest_tick_ms(before.snac_tick_ms, after.snac_tick_ms),
             "new_frames": frames,
             "window_frames": window_frames,
-            # recomputation: 1.0 for the exact stream (one frame per stream-step); its bridge's decodes are not
-            # counted here (StreamingSnac.stats)
+            # recomputation: 1.0 for the exact stream (one frame per stream-step); its bridge's decodes apart
             "frames_per_new_frame": round(window_frames / frames, 3) if frames else None,
+            # the bridge's approximate decodes (first audio until the exact stream takes over), which run as
+            # sliding windows: a listener without lead keeps bridging through a sentence's first 8 frames
+            "bridge_frames": bridge_frames,
+            "bridge_frames_per_new_frame": round(bridge_frames / frames, 3) if frames else None,
             "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },
     }

@@ -169,6 +169,7 @@ def test_decoder_schedule_decodes_every_stream_whole_with_and_without_the_hold(t
     assert [(r["hold_ms"], r["due_ms"], r["delivery_ms"]) for r in runs] == [
         (0, 50, 30), (0, 200, 30), (50, 50, 30), (50, 200, 30)]
     assert all(r["audio_complete"] and r["steps"] >= 6 for r in runs)  # a step advances a stream by one frame
+    assert all(r["bridge_frames_per_frame"] > 0 for r in runs)  # every first audio is a bridge's
 
 
 def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:
