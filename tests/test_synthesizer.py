@@ -15,7 +15,7 @@ import pytest
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame, build_prompt, sentence_token_cap
 from gateway.speech.engine import EngineDeadError, EngineState
 from gateway.speech.stream_decoder import DecodeStream
-from gateway.speech.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats
+from gateway.speech.synthesizer import UNHEARD_LEAD_S, InvalidRequestError, Synthesizer, UtteranceStats
 from tests.support import wait_until
 
 pytestmark = pytest.mark.engine
@@ -208,3 +208,14 @@ async def test_engine_death_fails_requests_and_restarts(synthesizer: Synthesizer
     async for _ in synthesizer.utterance("Back again.", "tara", seed=14, stats=stats):
         pass
     assert stats.frames >= 1
+
+
+def test_the_lead_of_an_utterance_its_playout_dropped_waits_behind_every_heard_one() -> None:
+    """The decoder's deadline comes from the listener's playout where there is one; an utterance the playout no
+    longer has (a barge-in) is heard by nobody, so its last frames go after every stream someone hears."""
+    held: list[float | None] = [0.25]
+    stats = UtteranceStats(playout_lead_s=lambda: held[0])
+    assert Synthesizer._lead_s(stats) == 0.25
+    held[0] = None
+    assert Synthesizer._lead_s(stats) == UNHEARD_LEAD_S > 10.0
+    assert Synthesizer._lead_s(UtteranceStats()) == 0.0  # no playout, no audio yet: urgent

@@ -18,8 +18,9 @@ remainder (< 1 frame) follows it, and the listener heard the utterance out.
 The start threshold counts pushed (input) audio, so the resampler's ~0.7 ms
 filter delay never holds back the start.
 
-All methods must be called from the event loop thread that runs ``recv``;
-nothing here is thread-safe, and none of it needs to be. One consumer only:
+All methods must be called from the event loop thread that runs ``recv``,
+except :meth:`PlayoutTrack.lead_s`, which the SNAC decoder's thread reads
+(it takes no lock: see there). One consumer only:
 fan out with ``aiortc.contrib.media.MediaRelay`` if several peers need it.
 """
 
@@ -345,26 +346,31 @@ class PlayoutTrack(MediaStreamTrack):
         return None
 
     def lead_s(self, utterance_id: str) -> float | None:
-        """How long the listener can go on from what is queued before it needs more of this utterance: once it
-        plays, its own queued audio; before that, the audio of the utterances ahead of it (0 when none: the
-        listener waits for this one's jitter buffer to fill); None when it is not queued (finished or dropped).
+        """How long the listener can go on before it needs more of this utterance than is queued: once it plays,
+        its queued audio; before, the audio of the utterances ahead of it plus what it will hold when it starts
+        (its queued audio, at least its jitter buffer: a listener waiting for the buffer to fill cannot run dry,
+        only start later); None when it is not queued (finished or dropped).
 
-        The synthesis deadline of a listener's stream: unlike a clock since the first audio plus the jitter
-        buffer, it counts when playback really began (a buffer filled by a fast start begins sooner) and every
-        underrun. Read from the SNAC decoder's thread: it only reads a dict, flags and deque lengths (a copy of
-        the queue is one C call under the GIL), so it needs no lock; the figure is good to one frame.
+        The synthesis deadline of a listener's stream. A clock since the first audio plus the jitter buffer
+        misses that playback starts once the buffer is full, sooner when the bridge fills it fast, and every
+        underrun since. Read from the SNAC decoder's thread without a lock: a dict lookup, flags, deque lengths
+        and one copy of the queue (a single C call under CPython's GIL; a free-threaded build would need a lock
+        here); a figure off by a frame is harmless.
         """
         utt = self._by_id.get(utterance_id)
         if utt is None:
             return None
+        own = len(utt.frames) * FRAME_SECONDS
         if utt.started:
-            return len(utt.frames) * FRAME_SECONDS
+            return own
         ahead = 0
         for other in tuple(self._queue):
             if other is utt:
                 break
             ahead += len(other.frames)
-        return ahead * FRAME_SECONDS
+        else:
+            return None  # dropped or finished since the lookup above
+        return ahead * FRAME_SECONDS + max(own, utt.start_threshold_in / self._in_rate)
 
     def played_ms(self, utterance_id: str) -> int | None:
         """Audio of a queued utterance returned so far (underrun silence not counted); None if not queued."""

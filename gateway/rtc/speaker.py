@@ -101,7 +101,7 @@ class Speaker:
                        retry_after_s=EngineUnavailableError.retry_after_s)
             return
         feed = self.lesson.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
-        # The decoder's deadline for this utterance is what the track holds of it (its jitter buffer included).
+        # The decoder's deadline for this utterance is the track's: what it holds of it, or will when it starts.
         utterance.stats = stats = UtteranceStats(started=utterance.received_at,
                                                  playout_lead_s=functools.partial(self.track.lead_s, utterance.id))
         try:

@@ -18,7 +18,8 @@ bridge therefore costs that much lead once. So the bridge goes on with each new 
 covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time generation pace; less when the
 lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or stops early when the lead is not
 going to get there in time; then the exact stream takes over with a crossfade. A stream whose listener
-buffers (the lead includes the listener's jitter buffer) hands over at once.
+buffers hands over at once (its lead counts the listener's jitter buffer: a WebRTC track's from the start, since
+a listener waiting for its buffer to fill cannot run dry, only start later).
 
 The event loop only enqueues commands and awaits chunks; nothing here blocks it.
 """

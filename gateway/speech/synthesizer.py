@@ -79,6 +79,10 @@ class AudioChunk:
     first_of_sentence: bool
     last_of_sentence: bool = False  # its sentence's audio is complete (word timings can be made now)
 
+# The lead of an utterance its listener's playout no longer has (a barge-in dropped it): nobody hears the rest,
+# so its last frames wait for any step instead of being stepped first. Finite: the codec client sends leads as ms.
+UNHEARD_LEAD_S = 60.0
+
 
 @dataclass
 class UtteranceStats:
@@ -91,9 +95,10 @@ class UtteranceStats:
     # is known.
     listener_buffer_s: float = 0.0
     # The listener's own playout, when it is in this process (a WebRTC session's track): how long it can play on
-    # from the audio it holds of this utterance; None once the utterance left it. Called from the SNAC decoder's
-    # thread. It is the lead itself (H200 2026-12-05: 500 ms lesson peers ran dry 0.9-1.6 s into their audio when
-    # the lead was modelled from the first audio, because a buffer filled fast starts playback sooner).
+    # from the audio it holds of this utterance (`PlayoutTrack.lead_s`); None once the utterance left it (then
+    # nobody hears the rest). Called from the SNAC decoder's thread. It is the lead itself (H200 2026-12-05: 500 ms
+    # lesson peers ran dry 0.9-1.6 s into their audio when the lead was modelled from the first audio, because a
+    # buffer filled fast starts playback sooner).
     playout_lead_s: Callable[[], float | None] | None = None
     first_token_at: float | None = None
     first_window_at: float | None = None  # the first frames went to the SNAC decoder (first audio = this + decode)
@@ -337,8 +342,9 @@ class Synthesizer:
         """How far the utterance's audio out runs ahead of its listener's playback: the listener's playout says so
         where it is known, else the audio out since the first, less the time since, plus the listener's buffer
         (0 before its first audio: then every stream is urgent)."""
-        if stats.playout_lead_s is not None and (held := stats.playout_lead_s()) is not None:
-            return held
+        if stats.playout_lead_s is not None:
+            held = stats.playout_lead_s()
+            return UNHEARD_LEAD_S if held is None else held
         if stats.first_audio_at is None:
             return 0.0
         return stats.samples / SAMPLE_RATE - (time.monotonic() - stats.first_audio_at) + stats.listener_buffer_s
