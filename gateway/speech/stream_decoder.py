@@ -55,10 +55,11 @@ FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 FIRST_AUDIO_LOOKAHEAD = 1
 # A stream whose audio runs less than this ahead of its listener is stepped now. Its audio must then reach the
 # playout before the lead runs out, through the worker's longest tick (engine level, H100: 67 ms at 384 streams,
-# 144 at 448) and, with the shared SNAC process, a socket and a busy worker's event loop. 50 ms was too little:
-# over WebRTC, peers buffering 500 ms (so their streams hovered at 50 ms of decoded audio, the rest waiting as
-# codes) kept 2 of 384 real time where the same peers at 0 ms (every stream due) kept 275. Listeners at 0 ms are
-# below it from their first audio on, as before.
+# 144 at 448) and, with the shared SNAC process, a socket and a busy worker's event loop. With the decoder alone
+# and a 60 ms trip to the listener (bench.decoder_schedule, H200, 500 ms listeners) neither 50 nor 200 ms stalled
+# a stream at 256 or 384; 200 ms cut the longest tick at 384 from 60 to 24 ms and first audio p50 from 197 to 171
+# ms. (The lessons' collapse over WebRTC it was raised for came from workers and the lead's model instead:
+# docs/benchmarks.md, 2026-12-05 afternoon.) Listeners at 0 ms are below it from their first audio on.
 DUE_LEAD_S = 0.2
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.

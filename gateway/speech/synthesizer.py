@@ -79,6 +79,7 @@ class AudioChunk:
     first_of_sentence: bool
     last_of_sentence: bool = False  # its sentence's audio is complete (word timings can be made now)
 
+
 # The lead of an utterance its listener's playout no longer has (a barge-in dropped it): nobody hears the rest,
 # so its last frames wait for any step instead of being stepped first. Finite: the codec client sends leads as ms.
 UNHEARD_LEAD_S = 60.0
