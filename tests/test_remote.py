@@ -243,10 +243,15 @@ async def test_eight_concurrent_utterances_spread_over_two_servers(
     await eventually(metric_is(vllm_server, RUNNING, 0))
 
 
+async def generated_since(server: VllmServer, generated_before: float) -> float:
+    """The ids the server generated since `generated_before`, once it runs nothing."""
+    await eventually(metric_is(server, RUNNING, 0), timeout=5)
+    return await server.metric(GENERATED) - generated_before
+
+
 async def assert_aborted(server: VllmServer, generated_before: float) -> None:
     """The request stopped early: the server runs nothing, and generated fewer ids than the request would have."""
-    await eventually(metric_is(server, RUNNING, 0), timeout=5)
-    generated = await server.metric(GENERATED) - generated_before
+    generated = await generated_since(server, generated_before)
     assert 0 < generated < LONG_TOKENS, generated
 
 
@@ -296,8 +301,7 @@ async def test_cancelled_task_aborts_the_request_on_the_server(remote_synth: Syn
         with pytest.raises(asyncio.CancelledError):
             await task
         assert remote_synth.engine.in_flight == 0 and remote_synth.engine.unfinished_requests() == 0
-        await eventually(metric_is(vllm_server, RUNNING, 0), timeout=5)
-        generated = await vllm_server.metric(GENERATED) - before
+        generated = await generated_since(vllm_server, before)
         if generated < LONG_TOKENS:
             break
         # The test process, starved by its own SNAC thread on two cores, saw its first ids only after the server
