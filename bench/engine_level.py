@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, new_record
@@ -18,6 +18,8 @@ from bench.settings import BenchOptions
 from bench.timing import FRAME_TOKENS
 from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt, split_sentences
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
+
+START_FRAMES = 16  # frames whose arrival times a record keeps (with --keep-arrivals)
 
 
 @dataclass
@@ -30,6 +32,9 @@ class TimedStats(UtteranceStats):
 
     first_frame_at: float | None = None
     last_token_at: float | None = None
+    # When each of the first START_FRAMES frames was whole: with the audio's arrivals they separate a slow
+    # start of generation from a slow first decode (the 0 ms listeners' stalls come in the first pieces).
+    frames_at: list[float] = field(default_factory=list)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -38,6 +43,8 @@ class TimedStats(UtteranceStats):
             object.__setattr__(self, "last_token_at", now)
             if value >= FRAME_TOKENS and self.first_frame_at is None:
                 object.__setattr__(self, "first_frame_at", now)
+            whole = min(value // FRAME_TOKENS, START_FRAMES)
+            self.frames_at.extend([now] * (whole - len(self.frames_at)))
 
 
 async def run_point(synth: Synthesizer, workload: Sequence[Sequence[PlannedRequest]], options: BenchOptions
@@ -81,6 +88,7 @@ def _fill_engine_figures(record: RequestRecord, stats: TimedStats, arrivals: lis
     record.ttff_ms = _ms_after(stats.first_frame_at, stats.started)
     record.ttfw_ms = _ms_after(stats.first_window_at, stats.started)
     record.generated_ms = _ms_after(stats.last_token_at, stats.started)
+    record.frames_at_ms = [round((at - stats.started) * MS, 2) for at in stats.frames_at]
     if arrivals:
         record.done_ms = round(arrivals[-1][0] * MS, 2)
 

@@ -43,6 +43,7 @@ class CpuSnapshot:
     snac_held_steps: int  # steps taken when the hold ran out, no stream due
     snac_tick_ms: list[int]  # the decoder's ticks by whole milliseconds so far (DecodeStats.tick_ms)
     snac_bridge_frames: int  # frames run through the bridge's approximate decodes (StreamingSnac.stats)
+    snac_bridge_s: float  # the decoder's time in bridge decodes
     host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
@@ -73,7 +74,7 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = (), gateway_pids: 
     return CpuSnapshot(time.monotonic(), loop_s, snac_s, sum(by_thread.values()), children, clients,
                        stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s,
                        stats.held_steps, list(stats.tick_ms),
-                       decoder.snac.stats.approx_frames if decoder is not None else 0,
+                       decoder.snac.stats.approx_frames if decoder is not None else 0, stats.bridge_s,
                        host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
 
 
@@ -88,6 +89,7 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
     window_frames = after.snac_window_frames - before.snac_window_frames
     busy = after.snac_busy_s - before.snac_busy_s
     bridge_frames = after.snac_bridge_frames - before.snac_bridge_frames
+    bridge_s = after.snac_bridge_s - before.snac_bridge_s
     return {
         "wall_s": round(wall, 3),
         "cpu_s": {
@@ -119,6 +121,8 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             # sliding windows: a listener without lead keeps bridging through a sentence's first 8 frames
             "bridge_frames": bridge_frames,
             "bridge_frames_per_new_frame": round(bridge_frames / frames, 3) if frames else None,
+            "bridge_busy_s": round(bridge_s, 3),
+            "bridge_busy_share": round(bridge_s / wall, 3) if wall > 0 else None,
             "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },
     }

@@ -53,6 +53,7 @@ class RequestRecord:
     server: dict[str, Any] | None = None  # WebRTC: the server's `started`/`done` figures
     endings: int | None = None  # WebRTC: terminal events received for it (exactly one is right)
     arrivals: list[tuple[float, float]] | None = None  # kept only with --keep-arrivals (ms, ms)
+    frames_at_ms: list[float] | None = None  # engine levels, with --keep-arrivals: the first frames' arrival
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +86,8 @@ def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]
         record.rtf = round(record.done_ms / MS / record.audio_s, 4)
     if keep:
         record.arrivals = [(round(t * MS, 2), round(d * MS, 2)) for t, d in arrivals]
+    else:
+        record.frames_at_ms = None
 
 
 def count_server_underruns(record: RequestRecord, listener_buffer_ms: int = 0) -> None:

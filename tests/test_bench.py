@@ -12,6 +12,7 @@ import torch
 
 from bench import fast_start
 from bench.corpus import SIZES, mixed
+from bench.engine_level import START_FRAMES
 from bench.report import markdown_table
 from bench.run import run_scenarios
 from bench.settings import parse_options
@@ -69,7 +70,8 @@ def test_table_leaves_out_empty_columns() -> None:
 # --- smoke run on the shared engine ------------------------------------------------------------------
 
 SMOKE_ARGS = ["--scenario", "stress,streaming", "--level", "vllm,engine,webrtc", "--stress-concurrency", "2",
-              "--streaming-users", "2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1"]
+              "--streaming-users", "2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1",
+              "--keep-arrivals"]
 
 
 def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
@@ -85,12 +87,17 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
         assert set(request["playback"]) == {"0", "500"}
         if level in ("engine", "vllm"):
             assert 0 < request["ttft_ms"] <= request["ttfa_ms"]
+            frames_at = request["frames_at_ms"]  # each of the first frames once, when it was whole
+            assert len(frames_at) == min(START_FRAMES, request["tokens"] // 7)
+            assert frames_at == sorted(frames_at) and frames_at[0] == request["ttff_ms"]
             assert request["tokens"] >= 7 * request["chunks"] if level == "vllm" else request["tokens"] > 0
         else:
             assert request["server"]["audio_ms"] > 0 and request["server"]["underruns"] is not None
             server = request["server"]
             assert 0 < server["ttft_ms"] <= server["ttfw_ms"] <= server["ttfa_ms"], server
     assert point["pipeline"]["wall_s"] > 0
+    if level == "engine":  # the decoder's time in bridge decodes, beside its steps'
+        assert point["pipeline"]["snac"]["bridge_busy_s"] > 0
 
 
 def _png_signature(path: str) -> bytes:

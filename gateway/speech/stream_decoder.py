@@ -76,7 +76,8 @@ class DecodeStats:
     windows: int = 0  # stream-steps in them: one frame of one stream each
     frames: int = 0  # new audio frames emitted
     window_frames: int = 0  # frames run through SNAC's exact step (one per stream-step)
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # in exact steps (with the wait for the GPU)
+    bridge_s: float = 0.0  # in bridge decodes (first audio and pieces until the hand-over; same)
     held_steps: int = 0  # steps taken when the hold ran out, no stream due (the others: a stream was due)
     longest_tick_s: float = 0.0  # the longest tick (bridges and step): how long the worker answered nothing
     # Ticks by whole milliseconds (the last: TICK_MS_BUCKETS - 1 or more), so a reader can find the longest tick
@@ -325,6 +326,7 @@ class StreamDecoder:
             else:
                 stream.bridging = False
         for lookahead, group in by_lookahead.items():
+            t0 = time.perf_counter()
             try:
                 pcm = self.snac.bridge([s.handle for s in group], lookahead=lookahead,  # type: ignore[misc]
                                        crossfade=BRIDGE_CROSSFADE)
@@ -332,6 +334,8 @@ class StreamDecoder:
                 log.exception("SNAC bridge failed for %d streams", len(group))
                 self._fail(group, exc)
                 continue
+            finally:
+                self.stats.bridge_s += time.perf_counter() - t0
             for stream in group:
                 stream.started = True
             self._deliver([(s, p) for s, p in zip(group, pcm, strict=True) if len(p)])
