@@ -40,6 +40,7 @@ class ScheduleRun:
     listener_ms: int
     hold_ms: float
     due_ms: float  # a stream with less lead is stepped at once
+    start_hold: bool  # a first audio waits for what the hand-over will cost (`stream_decoder.start_hold_s`)
     delivery_ms: float  # from the decoder to the listener
     pace: float  # generation speed, times real time
     frames: int  # per sentence
@@ -58,8 +59,8 @@ class ScheduleRun:
 
 
 async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float,
-                  due_s: float = DUE_LEAD_S, delivery_s: float = 0.0) -> ScheduleRun:
-    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s)
+                  due_s: float = DUE_LEAD_S, delivery_s: float = 0.0, start_hold: bool = True) -> ScheduleRun:
+    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start_hold=start_hold)
     bridged_before = snac.stats.approx_frames
     interval = FRAME_S / pace
     try:
@@ -74,8 +75,8 @@ async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, l
     stats = decoder.stats
     playbacks = [simulate_playback(arrivals, listener_s) for _, arrivals, _ in results]
     return ScheduleRun(
-        streams, round(listener_s * 1000), round(hold_s * 1000, 1), round(due_s * 1000, 1), round(delivery_s * 1000, 1),
-        pace, frames, round(wall, 2), stats.batches,
+        streams, round(listener_s * 1000), round(hold_s * 1000, 1), round(due_s * 1000, 1), start_hold,
+        round(delivery_s * 1000, 1), pace, frames, round(wall, 2), stats.batches,
         stats.held_steps, round(stats.windows / stats.batches, 1) if stats.batches else 0.0,
         round(stats.batches / wall, 1), round(stats.busy_s / wall, 3), round(stats.longest_tick_s * 1000, 1),
         round((snac.stats.approx_frames - bridged_before) / max(1, streams * frames), 3),
@@ -96,7 +97,7 @@ async def _sentence(decoder: StreamDecoder, frames: list[Frame], start: float, i
     def lead_s() -> float:
         now = time.monotonic()
         if not arrivals or arrivals[0][0] > now:
-            return 0.0
+            return listener_s  # before its first audio a listener holds its buffer (Synthesizer._lead_s)
         arrived = sum(duration for at, duration in arrivals if at <= now)
         return arrived - (now - arrivals[0][0]) + listener_s
 
@@ -135,10 +136,11 @@ def load_snac(path: str | None, device: str, streams: int) -> StreamingSnac:
 
 
 def table(runs: list[ScheduleRun]) -> str:
-    head = ("streams", "listener ms", "hold ms", "due ms", "delivery ms", "steps", "held", "mean batch", "steps/s",
-            "busy", "longest tick ms", "bridge frames/frame", "first audio p50 ms", "stalled", "stalled ms max",
-            "complete")
-    rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", f"{r.due_ms:g}", f"{r.delivery_ms:g}",
+    head = ("streams", "listener ms", "hold ms", "due ms", "start hold", "delivery ms", "steps", "held", "mean batch",
+            "steps/s", "busy", "longest tick ms", "bridge frames/frame", "first audio p50 ms", "stalled",
+            "stalled ms max", "complete")
+    rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", f"{r.due_ms:g}",
+                      "on" if r.start_hold else "off", f"{r.delivery_ms:g}",
                       str(r.steps), str(r.held_steps),
                       f"{r.mean_batch:.1f}", f"{r.steps_per_s:.1f}", f"{r.busy_share:.0%}", f"{r.longest_tick_ms:.0f}",
                       f"{r.bridge_frames_per_frame:.2f}",
@@ -160,11 +162,13 @@ async def main_async(args: argparse.Namespace, report: Callable[[str], None]) ->
         for listener_ms in args.listener_ms:
             for hold_s in args.holds:
                 for due_ms in args.due_ms:
-                    run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s,
-                                        due_ms / 1000, args.delivery_ms / 1000)
-                    report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms, due "
-                           f"{due_ms:g} ms: {run.steps} steps of {run.mean_batch:.1f}, {run.streams_stalled} stalled")
-                    runs.append(run)
+                    for start_hold in args.start_holds:
+                        run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s,
+                                            due_ms / 1000, args.delivery_ms / 1000, start_hold)
+                        report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms, due "
+                               f"{due_ms:g} ms, start hold {'on' if start_hold else 'off'}: {run.steps} steps of "
+                               f"{run.mean_batch:.1f}, {run.streams_stalled} stalled")
+                        runs.append(run)
     return runs
 
 
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holds", type=_floats, default=[0.0, MAX_HOLD_S], help="seconds (0: step at every frame)")
     parser.add_argument("--due-ms", type=_floats, default=[DUE_LEAD_S * 1000],
                         help="due leads to compare, ms (default: the gateway's DUE_LEAD_S)")
+    parser.add_argument("--start-holds", type=lambda s: [x == "on" for x in s.split(",")], default=[True],
+                        help="on,off: compare the first audio's wait for the hand-over (`start_hold_s`) with none")
     parser.add_argument("--delivery-ms", type=float, default=0.0,
                         help="from the decoder to the listener, ms (0: in the same process, at once)")
     parser.add_argument("--snac", help="a SNAC 24 kHz checkpoint (default: a random-weight one, built here, on CPU)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,14 @@ from gateway.speech.snac_stream import (
     snac_compiles,
     snac_device_and_dtype,
 )
-from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
+from gateway.speech.stream_decoder import (
+    BRIDGE_CROSSFADE,
+    FRAME_S,
+    MAX_START_HOLD_S,
+    DecodeStream,
+    StreamDecoder,
+    start_hold_s,
+)
 from tests.support import decoded_audio, make_frames, wait_until
 
 EXACT = 1e-5  # float32 max abs difference that counts as exact (measured: ~6e-7; audio peaks ~0.7)
@@ -670,6 +678,58 @@ async def test_a_fast_start_without_lead_goes_on_without_lookahead(stream_decode
     stream_decoder.finish(stream)
     rest = await decoded_audio(stream.chunks)
     assert len(first[0]) + len(second[0]) + len(rest) == len(frames) * SAMPLES_PER_FRAME
+
+
+def test_the_first_audio_waits_for_what_the_hand_over_will_cost_at_the_pace_shown(
+        stream_decoder: StreamDecoder) -> None:
+    """`start_hold_s`: at real-time pace the bridge gains no lead, so a listener without a buffer starts the
+    hand-over's whole cost later; at 1.2x the bridge's 8 frames gain part of it; at 1.5x all of it (no wait); a
+    listener whose buffer covers the hand-over never waits; and a later frame at the same pace moves the start
+    by nothing (the wait counts from the latest frame, which came one interval later)."""
+    handover = stream_decoder.handover_lead_s
+    head = stream_decoder.snac.HEAD_FRAMES
+
+    def hold(pace: float, received: int = 2, lead_s: float = 0.0) -> float:
+        return start_hold_s(received, FRAME_S / pace, lead_s, handover, head)
+
+    assert hold(1.0) == pytest.approx(handover)
+    assert 0.05 < hold(1.2) < 0.1 < handover
+    assert hold(1.5) <= 0.0
+    assert hold(1.0, lead_s=0.5) <= 0.0
+    assert hold(1.2, received=3) == pytest.approx(hold(1.2) - FRAME_S / 1.2)
+
+
+async def test_a_listener_without_a_buffer_starts_after_the_wait_and_a_buffered_one_at_once(
+        stream_decoder: StreamDecoder) -> None:
+    """Two streams get their frames at real-time pace, one frame at a time: the one whose listener plays what comes
+    (0 ms) gets its first audio only once the hand-over's cost has passed after its head was in; the one whose
+    listener buffers 1 s gets it at once, so first. Both come out whole."""
+    frames = make_frames(4, seed=15)
+    streams = {lead: stream_decoder.open(lambda lead=lead: lead, lookahead=1) for lead in (0.0, 1.0)}
+    first_at: dict[float, float] = {}
+
+    async def first_audio(lead: float) -> None:
+        item = await asyncio.wait_for(streams[lead].chunks.get(), 60)
+        assert isinstance(item, tuple) and len(item[0]) > 0
+        first_at[lead] = time.perf_counter()
+
+    waiting = [asyncio.create_task(first_audio(lead)) for lead in streams]
+    for stream in streams.values():
+        stream_decoder.push(stream, frames[:1])
+    await asyncio.sleep(FRAME_S)
+    head_in = time.perf_counter()
+    for stream in streams.values():
+        stream_decoder.push(stream, frames[1:2])
+    await asyncio.gather(*waiting)
+    assert first_at[1.0] < first_at[0.0]
+    assert first_at[0.0] - head_in >= MAX_START_HOLD_S * 0.9  # the wait, capped (real-time pace: the whole cost)
+    for stream in streams.values():
+        stream_decoder.push(stream, frames[2:])
+        stream_decoder.finish(stream)
+    for stream in streams.values():
+        rest = await decoded_audio(stream.chunks)
+        assert stream.handle is not None
+        assert stream.handle.emitted == len(frames) * SAMPLES_PER_FRAME > len(rest)
 
 
 async def test_fast_tokens_get_audio_from_the_first_frame(stream_decoder: StreamDecoder) -> None:

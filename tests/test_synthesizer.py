@@ -218,4 +218,6 @@ def test_the_lead_of_an_utterance_its_playout_dropped_waits_behind_every_heard_o
     assert Synthesizer._lead_s(stats) == 0.25
     held[0] = None
     assert Synthesizer._lead_s(stats) == UNHEARD_LEAD_S > 10.0
-    assert Synthesizer._lead_s(UtteranceStats()) == 0.0  # no playout, no audio yet: urgent
+    assert Synthesizer._lead_s(UtteranceStats()) == 0.0  # no playout, no audio yet, no buffer: urgent
+    # a listener that buffers holds its buffer before the first audio, as a playout that has not started does
+    assert Synthesizer._lead_s(UtteranceStats(listener_buffer_s=0.5)) == 0.5

@@ -3,7 +3,8 @@
 # carry: .devcarry/gw2 (first time only: av + cryptography wheels)
 # env:   NAME (output folder under $OUT), BENCH_ARGS (bench.run flags: levels, scenarios, sweeps, engine settings),
 #        MPS (non-empty: run under an NVIDIA MPS daemon, stopped at the end; a user-space daemon, no GPU setting)
-REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree (git archive HEAD)
+REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}  # SNAP: a committed tree (git archive HEAD), or another
+[ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP  # commit's beside it for an A/B in one lease
 cd $SRC  # python -m puts the working directory first on sys.path
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-gateway}; mkdir -p $OUT/$NAME
 [ -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ] || { echo "vLLM part B missing: run calls 1 and 2 first"; exit 3; }

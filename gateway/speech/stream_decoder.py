@@ -17,7 +17,9 @@ frames) behind its input, 2709 samples later than the bridge with one frame of l
 bridge therefore costs that much lead once. So the bridge goes on with each new frame until the stream's lead
 covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time generation pace; less when the
 lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or stops early when the lead is not
-going to get there in time; then the exact stream takes over with a crossfade. A stream whose listener
+going to get there in time; then the exact stream takes over with a crossfade. Where the pace the first frames
+showed cannot get the lead there by the head's end, the first audio waits for the shortfall (`start_hold_s`, at
+most `MAX_START_HOLD_S`): a listener without a buffer then hears no pause at the hand-over. A stream whose listener
 buffers hands over at once (its lead counts the listener's jitter buffer: a WebRTC track's from the start, since
 a listener waiting for its buffer to fill cannot run dry, only start later).
 
@@ -61,6 +63,9 @@ FIRST_AUDIO_LOOKAHEAD = 1
 # ms. (The lessons' collapse over WebRTC it was raised for came from workers and the lead's model instead:
 # docs/benchmarks.md, 2026-12-05 afternoon.) Listeners at 0 ms are below it from their first audio on.
 DUE_LEAD_S = 0.2
+# The longest a first audio waits for its listener's sake (`start_hold_s`): at a pace below real time no wait
+# would be enough, and a pace measured over the first frames of a burst is slower than what follows.
+MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 4757 samples and the margin)
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
@@ -102,6 +107,12 @@ class DecodeStream:
     started: bool = False  # worker thread only: its first audio went out
     bridging: bool = True  # worker thread only: the bridge, not yet the exact stream, hands out its audio
     bridge_lead: tuple[int, float] | None = None  # worker thread only: (frames bridged, lead) at the last check
+    # Worker thread only: the generation pace, from when frames were pushed (perf_counter times), and when the head
+    # was ready (`_first_audio_at`).
+    first_push_at: float | None = None
+    last_push_at: float = 0.0
+    frames_after_first: int = 0  # frames pushed after the first push's
+    head_ready_at: float | None = None
 
 
 class StreamDecoder:
@@ -109,11 +120,15 @@ class StreamDecoder:
 
     def __init__(self, snac: StreamingSnac, max_batch: int = 256,
                  on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S,
-                 due_lead_s: float = DUE_LEAD_S) -> None:
+                 due_lead_s: float = DUE_LEAD_S, start_hold: bool = True) -> None:
         self.snac = snac
         self.max_batch = max_batch
         self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
         self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
+        # A first audio waits for what the hand-over will cost its listener (`start_hold_s`); off: at once, as
+        # before (benchmarks compare the two; bench.fast_start runs in dilated time, where the wall-clock pace
+        # the hold reads is not the model's).
+        self.start_hold = start_hold
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
         # Lead at which the exact stream takes over from the bridge (`_bridge`).
         self.handover_lead_s = snac.delay_samples / SAMPLE_RATE + HANDOVER_MARGIN_S
@@ -134,7 +149,7 @@ class StreamDecoder:
         return stream
 
     def push(self, stream: DecodeStream, frames: Sequence[Frame]) -> None:
-        self._commands.put(("push", stream, list(frames)))
+        self._commands.put(("push", stream, (list(frames), time.perf_counter())))
 
     def finish(self, stream: DecodeStream) -> None:
         self._commands.put(("finish", stream, None))
@@ -193,7 +208,9 @@ class StreamDecoder:
         for stream in streams:
             if stream.handle is None or stream.handle.closed:
                 continue
-            if self._bridge_due(stream):
+            if not stream.started and (start := self._first_audio_at(stream)) is not None and start > now:
+                waits.append(start - now)  # a held first audio
+            elif self._bridge_due(stream, now):
                 return now
             if self._steppable(stream):
                 waits.append(self._step_due_in(stream.lead_s(), now))
@@ -204,13 +221,13 @@ class StreamDecoder:
         the last step is `hold_s` old, whichever comes first (0: now)."""
         return max(0.0, min(lead_s - self.due_lead_s, self._last_step + self.hold_s - now))
 
-    def _bridge_due(self, stream: DecodeStream) -> bool:
+    def _bridge_due(self, stream: DecodeStream, now: float) -> bool:
         """`_bridge` has something to do for this stream: its first audio, or (while it bridges) a decision on
         a new frame (a piece, or the hand-over)."""
         handle = stream.handle
         assert handle is not None
         if not stream.started:
-            return self._head_ready(stream)
+            return (start := self._first_audio_at(stream)) is not None and start <= now
         return stream.bridging and (self.snac.bridging_over(handle) or self.snac.bridgeable(
             handle, self._piece_lookahead(stream), BRIDGE_CROSSFADE))
 
@@ -225,7 +242,9 @@ class StreamDecoder:
                 return stream  # opened after a failure, or already released
             elif kind == "push":
                 self.snac.check_bridge(stream.lookahead)  # a bad one fails the stream now, not once its head is in
+                frames, at = frames
                 self.snac.push(stream.handle, frames)
+                self._note_push(stream, len(frames), at)
             elif kind == "finish":
                 self.snac.finish(stream.handle)
             elif kind == "close":
@@ -235,16 +254,42 @@ class StreamDecoder:
             self._fail([stream], exc)
         return stream
 
+    def _note_push(self, stream: DecodeStream, frames: int, at: float) -> None:
+        """The generation pace (`_first_audio_at`): when frames came, and when the head was ready."""
+        if stream.first_push_at is None:
+            stream.first_push_at = at
+        else:
+            stream.frames_after_first += frames
+        stream.last_push_at = at
+        handle = stream.handle
+        assert handle is not None
+        if stream.head_ready_at is None and handle.received >= stream.lookahead + 1:
+            stream.head_ready_at = at
+
     def _steppable(self, stream: DecodeStream) -> bool:
         """The exact stream can advance: before the first audio only through its silent first steps."""
         handle = stream.handle
         return handle is not None and self.snac.ready(handle) and (
             stream.started or handle.stepped < STEPS_BEFORE_AUDIO)
 
-    def _head_ready(self, stream: DecodeStream) -> bool:
+    def _first_audio_at(self, stream: DecodeStream) -> float | None:
+        """When an unstarted stream's first audio may go out (perf_counter time; 0: at once), None before its head
+        is ready. At once for a finished sentence (the bridge decodes it whole: no hand-over) and while the pace
+        is unknown (one push so far: a fast start); else held by `start_hold_s` from its latest frame, at most
+        `MAX_START_HOLD_S` after its head was ready."""
         handle = stream.handle
         assert handle is not None
-        return handle.received >= stream.lookahead + 1 or (handle.finished and handle.received > 0)
+        if handle.finished:
+            return 0.0 if handle.received > 0 else None
+        if handle.received < stream.lookahead + 1:
+            return None
+        if not self.start_hold or stream.frames_after_first == 0 or stream.first_push_at is None \
+                or stream.head_ready_at is None:
+            return 0.0
+        interval = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first
+        hold = start_hold_s(handle.received, interval, stream.lead_s(), self.handover_lead_s,
+                            self.snac.HEAD_FRAMES)
+        return min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S)
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
@@ -310,12 +355,13 @@ class StreamDecoder:
         """First audio of the streams whose head is ready (with their own lookahead), and a further piece
         (`_piece_lookahead`) for each started stream with a new frame while `_keeps_bridging` says so."""
         by_lookahead: dict[int, list[DecodeStream]] = {}
+        now = time.perf_counter()
         for stream in self._streams:
             handle = stream.handle
             if handle is None or not stream.bridging:
                 continue
             if not stream.started:
-                if self._head_ready(stream):
+                if (start := self._first_audio_at(stream)) is not None and start <= now:
                     by_lookahead.setdefault(stream.lookahead, []).append(stream)
             elif self.snac.bridging_over(handle):
                 stream.bridging = False
@@ -367,6 +413,25 @@ class StreamDecoder:
             by_loop.setdefault(stream.loop, []).append((stream, pcm, last))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+def start_hold_s(received: int, interval_s: float, lead_s: float, handover_lead_s: float, head_frames: int) -> float:
+    """How long after its latest frame a stream's first audio waits, so that at the generation pace it has
+    shown (a frame every `interval_s`) its listener does not run dry when the exact stream takes over (<= 0: no
+    wait). `received` frames are in; `lead_s` is what the listener already holds (its jitter buffer, audio of an
+    utterance ahead).
+
+    The bridge hands out each frame once the next is in, and goes on at most until the frame after the head's
+    last (`head_frames` + 1 received): its audio then reaches frame `head_frames` - 1, so the listener holds
+    (`head_frames` - 1) frames less the time from its start to that frame's arrival. The hand-over needs
+    `handover_lead_s` less 3 frames' growth (`_keeps_bridging`). Starting later by the shortfall gives the
+    listener that much more at every point, the hand-over included: one wait at the start instead of a pause
+    after the first words (H200, 256 listeners without a buffer: every stream paused once, 41 ms on average,
+    right after its first piece)."""
+    growth = FRAME_S - interval_s
+    need = handover_lead_s - 3 * max(growth, 0.0)
+    last = head_frames + 1  # frames in when the bridge is over
+    return (last - received) * interval_s - (last - 2) * FRAME_S + need - lead_s
 
 
 def _put_all(items: list[tuple[DecodeStream, np.ndarray, bool]]) -> None:

@@ -342,12 +342,12 @@ class Synthesizer:
     def _lead_s(stats: UtteranceStats) -> float:
         """How far the utterance's audio out runs ahead of its listener's playback: the listener's playout says so
         where it is known, else the audio out since the first, less the time since, plus the listener's buffer
-        (0 before its first audio: then every stream is urgent)."""
+        (the buffer alone before its first audio, as a playout that has not started counts it)."""
         if stats.playout_lead_s is not None:
             held = stats.playout_lead_s()
             return UNHEARD_LEAD_S if held is None else held
         if stats.first_audio_at is None:
-            return 0.0
+            return stats.listener_buffer_s
         return stats.samples / SAMPLE_RATE - (time.monotonic() - stats.first_audio_at) + stats.listener_buffer_s
 
     def _put(self, chunks: asyncio.Queue[Any], pcm: np.ndarray, index: int, sentence: str, first: bool,
