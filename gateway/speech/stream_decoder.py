@@ -113,6 +113,7 @@ class DecodeStream:
     last_push_at: float = 0.0
     frames_after_first: int = 0  # frames pushed after the first push's
     head_ready_at: float | None = None
+    start_at: float = 0.0  # worker thread only: the latest the first audio was held to so far (`_first_audio_at`)
 
 
 class StreamDecoder:
@@ -276,7 +277,9 @@ class StreamDecoder:
         """When an unstarted stream's first audio may go out (perf_counter time; 0: at once), None before its head
         is ready. At once for a finished sentence (the bridge decodes it whole: no hand-over) and while the pace
         is unknown (one push so far: a fast start); else held by `start_hold_s` from its latest frame, at most
-        `MAX_START_HOLD_S` after its head was ready."""
+        `MAX_START_HOLD_S` after its head was ready. A later frame may move the start later, never sooner: the
+        hold reaches 7 intervals ahead, so a frame that came a few ms early would otherwise cancel it (a 1.2x
+        pace's third frame comes before its hold ends)."""
         handle = stream.handle
         assert handle is not None
         if handle.finished:
@@ -289,7 +292,8 @@ class StreamDecoder:
         interval = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first
         hold = start_hold_s(handle.received, interval, stream.lead_s(), self.handover_lead_s,
                             self.snac.HEAD_FRAMES)
-        return min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S)
+        stream.start_at = max(stream.start_at, min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S))
+        return stream.start_at
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
