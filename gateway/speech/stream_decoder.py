@@ -66,11 +66,6 @@ DUE_LEAD_S = 0.2
 # The longest a first audio waits for its listener's sake (`start_hold_s`): at a pace below real time no wait
 # would be enough, and a pace measured over the first frames of a burst is slower than what follows.
 MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 4757 samples and the margin)
-# The hold counts on a pace this much slower than the first frames showed. The hold extrapolates 7 intervals, so a
-# 10 % error moves it ~70 ms; and a burst's first frames come faster than the next few, which its own streams'
-# bridges slow (H100, 256 listeners without a buffer: 69 ms, then 77, 86 and 97 ms a frame; 92 streams held by
-# the first figure paused at the hand-over, 80 ms on average).
-START_PACE_MARGIN = 0.1
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
@@ -294,7 +289,7 @@ class StreamDecoder:
         if not self.start_hold or stream.frames_after_first == 0 or stream.first_push_at is None \
                 or stream.head_ready_at is None:
             return 0.0
-        interval = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first * (1 + START_PACE_MARGIN)
+        interval = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first
         hold = start_hold_s(handle.received, interval, stream.lead_s(), self.handover_lead_s,
                             self.snac.HEAD_FRAMES)
         stream.start_at = max(stream.start_at, min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S))
