@@ -732,6 +732,21 @@ async def test_a_listener_without_a_buffer_starts_after_the_wait_and_a_buffered_
         assert stream.handle.emitted == len(frames) * SAMPLES_PER_FRAME > len(rest)
 
 
+async def test_a_sentence_takes_a_decoder_slot_only_once_it_has_frames(stream_decoder: StreamDecoder) -> None:
+    """Opening a stream sends nothing to the worker (its open goes with its first push): sentences that wait for
+    their generation, or end without audio, hold no slot. With 2 slots, 3 opened streams of which 2 are released
+    unused leave the third its slot, and it decodes whole."""
+    waiting = [stream_decoder.open(lambda: 0.0) for _ in range(2)]
+    stream = stream_decoder.open(lambda: 0.0)
+    for unused in waiting:
+        stream_decoder.release(unused)
+    frames = make_frames(3, seed=16)
+    stream_decoder.push(stream, frames)
+    stream_decoder.finish(stream)
+    audio = await decoded_audio(stream.chunks)
+    assert len(audio) == len(frames) * SAMPLES_PER_FRAME
+
+
 async def test_fast_tokens_get_audio_from_the_first_frame(stream_decoder: StreamDecoder) -> None:
     """Lookahead 0 (the engine's tokens come fast): the first audio is out once one frame is in, all of it but
     the crossfade that joins the next piece."""
