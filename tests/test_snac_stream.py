@@ -747,6 +747,24 @@ async def test_a_sentence_takes_a_decoder_slot_only_once_it_has_frames(stream_de
     assert len(audio) == len(frames) * SAMPLES_PER_FRAME
 
 
+async def test_a_loop_iterations_commands_reach_the_worker_in_one_wake_up(stream_decoder: StreamDecoder) -> None:
+    """Two sentences' opens, pushes and finishes made in one loop iteration wake the worker once (each wake-up takes
+    the GIL from the event loop), in order: both decode whole. Sent one by one, the first would wake it while the
+    iteration lets go of the GIL."""
+    frames = make_frames(3, seed=17)
+    streams = [stream_decoder.open(lambda: 0.0) for _ in range(2)]
+    await wait_until(lambda: stream_decoder.stats.wakeups >= 0)  # a turn of the loop: nothing pending
+    before = stream_decoder.stats.wakeups
+    for stream in streams:
+        stream_decoder.push(stream, frames)
+        time.sleep(0.005)  # noqa: ASYNC251 -- the GIL let go within the iteration, as the tokenizer does
+        stream_decoder.finish(stream)
+    for stream in streams:
+        audio = await decoded_audio(stream.chunks)
+        assert len(audio) == len(frames) * SAMPLES_PER_FRAME
+    assert stream_decoder.stats.wakeups == before + 1
+
+
 async def test_fast_tokens_get_audio_from_the_first_frame(stream_decoder: StreamDecoder) -> None:
     """Lookahead 0 (the engine's tokens come fast): the first audio is out once one frame is in, all of it but
     the crossfade that joins the next piece."""

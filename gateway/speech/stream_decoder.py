@@ -28,7 +28,9 @@ its open goes to the worker with its first push or finish. Each command that fin
 and the woken worker takes the GIL the next time the event loop lets go of it (the tokenizer does, in every
 `build_prompt`) and keeps it through its loop, so an open per sentence start made the event loop and the worker
 trade the GIL once per sentence of a burst (CPU, tiny model, 128 starts at once: ~50 wake-ups, the starts' hand-off
-to vLLM 52 -> 38 ms without them).
+to vLLM 52 -> 38 ms without them). For the same reason a loop iteration's commands (256 streams push ~3000 frames
+a second, many of them in the iteration that handles one engine step) go to the worker as one item, once the
+iteration's other callbacks have run.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ TICK_MS_BUCKETS = 1001  # DecodeStats.tick_ms: 0..999 ms, then 1 s or more
 THREAD_NAME = "snac-stream-decoder"  # the worker thread (bench.probes reads its CPU time by this name)
 
 
+Command = tuple[str, "DecodeStream", Any]  # (open | push | finish | close, the stream, its payload)
+
+
 @dataclass
 class DecodeStats:
     """A decoder's batched steps so far (bench.probes reads them; the metrics hook gets each step as it runs)."""
@@ -87,6 +92,7 @@ class DecodeStats:
     frames: int = 0  # new audio frames emitted
     window_frames: int = 0  # frames run through SNAC's exact step (one per stream-step)
     busy_s: float = 0.0  # in exact steps (with the wait for the GPU)
+    wakeups: int = 0  # times the worker took commands (each wake-up takes the GIL from an event loop)
     bridge_s: float = 0.0  # in bridge decodes (first audio and pieces until the hand-over; same)
     held_steps: int = 0  # steps taken when the hold ran out, no stream due (the others: a stream was due)
     longest_tick_s: float = 0.0  # the longest tick (bridges and step): how long the worker answered nothing
@@ -140,7 +146,9 @@ class StreamDecoder:
         # Lead at which the exact stream takes over from the bridge (`_bridge`).
         self.handover_lead_s = snac.delay_samples / SAMPLE_RATE + HANDOVER_MARGIN_S
         self.stats = DecodeStats()
-        self._commands: queue.SimpleQueue[tuple[str, DecodeStream, Any] | None] = queue.SimpleQueue()
+        # The worker's input: each item a loop iteration's commands, in order (None: stop).
+        self._commands: queue.SimpleQueue[list[Command] | None] = queue.SimpleQueue()
+        self._outboxes: dict[asyncio.AbstractEventLoop, list[Command]] = {}  # event-loop side: not yet sent
         self._streams: list[DecodeStream] = []
         self._last_step = 0.0  # perf_counter of the last step: the hold counts from it
         self._closed = False
@@ -163,13 +171,28 @@ class StreamDecoder:
     def release(self, stream: DecodeStream) -> None:
         """The sentence is over (done, failed or cancelled): free its slot; undelivered audio is dropped."""
         if stream.opened:  # else the worker never heard of it: no slot to free
-            self._commands.put(("close", stream, None))
+            self._post(stream.loop, ("close", stream, None))
 
     def _send(self, kind: str, stream: DecodeStream, payload: Any) -> None:
         if not stream.opened:
             stream.opened = True
-            self._commands.put(("open", stream, None))
-        self._commands.put((kind, stream, payload))
+            self._post(stream.loop, ("open", stream, None))
+        self._post(stream.loop, (kind, stream, payload))
+
+    def _post(self, loop: asyncio.AbstractEventLoop, command: Command) -> None:
+        """Queue a command for the worker with the rest of this loop iteration's: one wake-up for them all."""
+        box = self._outboxes.get(loop)
+        if box is None:
+            if loop.is_closed():  # a release after its loop ended: nothing is left to send it
+                return
+            box = self._outboxes[loop] = []
+            loop.call_soon(self._flush, loop)
+        box.append(command)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        box = self._outboxes.pop(loop, None)
+        if box:
+            self._commands.put(box)
 
     def close(self) -> None:
         self._closed = True
@@ -195,10 +218,11 @@ class StreamDecoder:
                 if command is None:
                     return
                 if command is not ...:
-                    touched = [self._apply(command)]
+                    self.stats.wakeups += 1
+                    touched = [self._apply(c) for c in command]
                     with contextlib.suppress(queue.Empty):  # everything else that waits, before deciding
                         while (more := self._commands.get_nowait()) is not None:
-                            touched.append(self._apply(more))
+                            touched += [self._apply(c) for c in more]
                         return
                     self._finish_done(touched)  # a sentence finished with nothing left to step ends here
                     # Only the streams a command touched can need a tick sooner than planned (a lead only falls
@@ -244,7 +268,7 @@ class StreamDecoder:
         return stream.bridging and (self.snac.bridging_over(handle) or self.snac.bridgeable(
             handle, self._piece_lookahead(stream), BRIDGE_CROSSFADE))
 
-    def _apply(self, command: tuple[str, DecodeStream, Any]) -> DecodeStream:
+    def _apply(self, command: Command) -> DecodeStream:
         """Apply one command; returns the stream it touched."""
         kind, stream, frames = command
         try:
