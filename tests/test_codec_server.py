@@ -149,10 +149,10 @@ async def decode_all_at_once(decoder: StreamDecoder | CodecStreamClient, worker:
     blocker = decoder.open(lambda: 0.0)
     decoder.push(blocker, make_frames(1, seed=99))
     assert await asyncio.to_thread(gated.entered.wait, 30), "the blocker's step holds the worker"
-    queued = worker._commands.qsize()
+    sent = worker.commands_sent
     decoding = asyncio.ensure_future(decode_stream(decoder, frames))
     commands = 2 + len(pushes(frames))  # open, the pushes and finish
-    await wait_until(lambda: worker._commands.qsize() >= queued + commands)
+    await wait_until(lambda: worker.commands_sent >= sent + commands)
     gated.go.set()
     try:
         return await decoding
@@ -193,9 +193,10 @@ async def test_streams_of_two_clients_share_one_step(snac_weights: Any, server_p
         first = clients[0].open(lambda: 0.0)
         clients[0].push(first, make_frames(frames, seed=1))
         assert await asyncio.to_thread(gated.entered.wait, 30), "the first client's stream is stepping"
+        sent = server.decoder.commands_sent
         second = clients[1].open(lambda: 0.0)
         clients[1].push(second, make_frames(frames, seed=2))
-        await wait_until(lambda: server.decoder._commands.qsize() >= 2)  # its open and push wait behind the step
+        await wait_until(lambda: server.decoder.commands_sent >= sent + 2)  # its open and push wait behind the step
         gated.go.set()
         for client, stream in zip(clients, (first, second), strict=True):
             client.finish(stream)

@@ -149,6 +149,7 @@ class StreamDecoder:
         # The worker's input: each item a loop iteration's commands, in order (None: stop).
         self._commands: queue.SimpleQueue[list[Command] | None] = queue.SimpleQueue()
         self._outboxes: dict[asyncio.AbstractEventLoop, list[Command]] = {}  # event-loop side: not yet sent
+        self.commands_sent = 0  # event-loop side: commands handed to the worker so far (tests wait on it)
         self._streams: list[DecodeStream] = []
         self._last_step = 0.0  # perf_counter of the last step: the hold counts from it
         self._closed = False
@@ -192,6 +193,7 @@ class StreamDecoder:
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         box = self._outboxes.pop(loop, None)
         if box:
+            self.commands_sent += len(box)
             self._commands.put(box)
 
     def close(self) -> None:
