@@ -247,9 +247,12 @@ class StreamDecoder:
         for stream in streams:
             if stream.handle is None or stream.handle.closed:
                 continue
-            if not stream.started and (start := self._first_audio_at(stream)) is not None and start > now:
-                waits.append(start - now)  # a held first audio
-            elif self._bridge_due(stream, now):
+            if not stream.started:
+                if (start := self._first_audio_at(stream)) is not None:
+                    if start <= now:
+                        return now
+                    waits.append(start - now)  # a held first audio
+            elif self._bridge_due(stream):
                 return now
             if self._steppable(stream):
                 waits.append(self._step_due_in(stream.lead_s(), now))
@@ -260,13 +263,11 @@ class StreamDecoder:
         the last step is `hold_s` old, whichever comes first (0: now)."""
         return max(0.0, min(lead_s - self.due_lead_s, self._last_step + self.hold_s - now))
 
-    def _bridge_due(self, stream: DecodeStream, now: float) -> bool:
-        """`_bridge` has something to do for this stream: its first audio, or (while it bridges) a decision on
-        a new frame (a piece, or the hand-over)."""
+    def _bridge_due(self, stream: DecodeStream) -> bool:
+        """`_bridge` has something to do for this started stream: while it bridges, a decision on a new frame (a
+        piece, or the hand-over). An unstarted one's first audio is `_first_audio_at`'s."""
         handle = stream.handle
         assert handle is not None
-        if not stream.started:
-            return (start := self._first_audio_at(stream)) is not None and start <= now
         return stream.bridging and (self.snac.bridging_over(handle) or self.snac.bridgeable(
             handle, self._piece_lookahead(stream), BRIDGE_CROSSFADE))
 
