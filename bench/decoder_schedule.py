@@ -29,7 +29,7 @@ from bench.timing import simulate_playback
 from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
 from gateway.speech.snac_stream import StreamingSnac
-from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, StreamDecoder
+from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, START_POLICIES, StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 
@@ -40,7 +40,7 @@ class ScheduleRun:
     listener_ms: int
     hold_ms: float
     due_ms: float  # a stream with less lead is stepped at once
-    start_hold: bool  # a first audio waits for what the hand-over will cost (`stream_decoder.start_hold_s`)
+    start: str  # how a first audio starts (`stream_decoder.START_POLICIES`)
     delivery_ms: float  # from the decoder to the listener
     pace: float  # generation speed, times real time
     frames: int  # per sentence
@@ -52,6 +52,7 @@ class ScheduleRun:
     busy_share: float  # the decoder's step time (its GPU time where it waits for the device) over wall time
     longest_tick_ms: float
     bridge_frames_per_frame: float  # the bridge's approximate decodes per new frame (the exact steps: 1 each)
+    exact_starts: int  # sentences whose first audio came from the exact stream, no bridge
     first_audio_p50_ms: float
     streams_stalled: int  # listeners whose playback paused at least once
     stalled_ms_max: float
@@ -59,27 +60,27 @@ class ScheduleRun:
 
 
 async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float,
-                  due_s: float = DUE_LEAD_S, delivery_s: float = 0.0, start_hold: bool = True) -> ScheduleRun:
-    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start_hold=start_hold)
+                  due_s: float = DUE_LEAD_S, delivery_s: float = 0.0, start: str = START_POLICIES[0]) -> ScheduleRun:
+    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start=start)
     bridged_before = snac.stats.approx_frames
     interval = FRAME_S / pace
     try:
-        start = time.monotonic()
+        began = time.monotonic()
         results = await asyncio.gather(*(
-            _sentence(decoder, random_frames(frames, seed=i), start + interval * i / streams, interval, listener_s,
+            _sentence(decoder, random_frames(frames, seed=i), began + interval * i / streams, interval, listener_s,
                       delivery_s)
             for i in range(streams)))
-        wall = time.monotonic() - start
+        wall = time.monotonic() - began
     finally:
         decoder.close()
     stats = decoder.stats
     playbacks = [simulate_playback(arrivals, listener_s) for _, arrivals, _ in results]
     return ScheduleRun(
-        streams, round(listener_s * 1000), round(hold_s * 1000, 1), round(due_s * 1000, 1), start_hold,
+        streams, round(listener_s * 1000), round(hold_s * 1000, 1), round(due_s * 1000, 1), start,
         round(delivery_s * 1000, 1), pace, frames, round(wall, 2), stats.batches,
         stats.held_steps, round(stats.windows / stats.batches, 1) if stats.batches else 0.0,
         round(stats.batches / wall, 1), round(stats.busy_s / wall, 3), round(stats.longest_tick_s * 1000, 1),
-        round((snac.stats.approx_frames - bridged_before) / max(1, streams * frames), 3),
+        round((snac.stats.approx_frames - bridged_before) / max(1, streams * frames), 3), stats.exact_starts,
         round(statistics.median(first for first, _, _ in results) * 1000, 1),
         sum(1 for p in playbacks if p.stalls), round(max(p.stall_s for p in playbacks) * 1000, 1),
         all(samples == frames * SAMPLES_PER_FRAME for _, _, samples in results))
@@ -136,14 +137,14 @@ def load_snac(path: str | None, device: str, streams: int) -> StreamingSnac:
 
 
 def table(runs: list[ScheduleRun]) -> str:
-    head = ("streams", "listener ms", "hold ms", "due ms", "start hold", "delivery ms", "steps", "held", "mean batch",
-            "steps/s", "busy", "longest tick ms", "bridge frames/frame", "first audio p50 ms", "stalled",
-            "stalled ms max", "complete")
+    head = ("streams", "listener ms", "hold ms", "due ms", "start", "delivery ms", "steps", "held", "mean batch",
+            "steps/s", "busy", "longest tick ms", "bridge frames/frame", "exact starts", "first audio p50 ms",
+            "stalled", "stalled ms max", "complete")
     rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", f"{r.due_ms:g}",
-                      "on" if r.start_hold else "off", f"{r.delivery_ms:g}",
+                      r.start, f"{r.delivery_ms:g}",
                       str(r.steps), str(r.held_steps),
                       f"{r.mean_batch:.1f}", f"{r.steps_per_s:.1f}", f"{r.busy_share:.0%}", f"{r.longest_tick_ms:.0f}",
-                      f"{r.bridge_frames_per_frame:.2f}",
+                      f"{r.bridge_frames_per_frame:.2f}", f"{r.exact_starts}/{r.streams}",
                       f"{r.first_audio_p50_ms:.0f}", f"{r.streams_stalled}/{r.streams}", f"{r.stalled_ms_max:.0f}",
                       "yes" if r.audio_complete else "NO") for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -162,11 +163,11 @@ async def main_async(args: argparse.Namespace, report: Callable[[str], None]) ->
         for listener_ms in args.listener_ms:
             for hold_s in args.holds:
                 for due_ms in args.due_ms:
-                    for start_hold in args.start_holds:
+                    for start in args.starts:
                         run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s,
-                                            due_ms / 1000, args.delivery_ms / 1000, start_hold)
+                                            due_ms / 1000, args.delivery_ms / 1000, start)
                         report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms, due "
-                               f"{due_ms:g} ms, start hold {'on' if start_hold else 'off'}: {run.steps} steps of "
+                               f"{due_ms:g} ms, start {start}: {run.steps} steps of "
                                f"{run.mean_batch:.1f}, {run.streams_stalled} stalled")
                         runs.append(run)
     return runs
@@ -181,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holds", type=_floats, default=[0.0, MAX_HOLD_S], help="seconds (0: step at every frame)")
     parser.add_argument("--due-ms", type=_floats, default=[DUE_LEAD_S * 1000],
                         help="due leads to compare, ms (default: the gateway's DUE_LEAD_S)")
-    parser.add_argument("--start-holds", type=lambda s: [x == "on" for x in s.split(",")], default=[True],
-                        help="on,off: compare the first audio's wait for the hand-over (`start_hold_s`) with none")
+    parser.add_argument("--starts", type=lambda s: s.split(","), default=[START_POLICIES[0]],
+                        help=f"how first audio starts, to compare: {','.join(START_POLICIES)} "
+                             "(`stream_decoder.START_POLICIES`)")
     parser.add_argument("--delivery-ms", type=float, default=0.0,
                         help="from the decoder to the listener, ms (0: in the same process, at once)")
     parser.add_argument("--snac", help="a SNAC 24 kHz checkpoint (default: a random-weight one, built here, on CPU)")

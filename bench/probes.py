@@ -45,6 +45,7 @@ class CpuSnapshot:
     snac_bridge_frames: int  # frames run through the bridge's approximate decodes (StreamingSnac.stats)
     snac_bridge_s: float  # the decoder's time in bridge decodes
     snac_wakeups: int  # times the decoder's worker took commands from the event loop
+    snac_exact_starts: int  # sentences whose first audio came from the exact stream, no bridge
     host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
@@ -76,7 +77,7 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = (), gateway_pids: 
                        stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s,
                        stats.held_steps, list(stats.tick_ms),
                        decoder.snac.stats.approx_frames if decoder is not None else 0, stats.bridge_s, stats.wakeups,
-                       host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
+                       stats.exact_starts, host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
 
 
 def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
@@ -126,6 +127,8 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "bridge_busy_share": round(bridge_s / wall, 3) if wall > 0 else None,
             # each wake-up takes the GIL from the event loop (commands go in one batch per loop iteration)
             "worker_wakeups_per_s": round((after.snac_wakeups - before.snac_wakeups) / wall, 1) if wall > 0 else None,
+            # first audio from the exact stream, no bridge (`StreamDecoder._first_audio_at`)
+            "exact_starts": after.snac_exact_starts - before.snac_exact_starts,
             "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },
     }

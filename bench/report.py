@@ -132,6 +132,7 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("bridge frames per new frame", _fixed(2, "pipeline", "snac", "bridge_frames_per_new_frame")),
         ("bridge busy", _percent("pipeline", "snac", "bridge_busy_share")),
         ("decoder wake-ups/s", _fixed(0, "pipeline", "snac", "worker_wakeups_per_s")),
+        ("exact starts", _fixed(0, "pipeline", "snac", "exact_starts")),
         ("longest tick ms", _fixed(0, "pipeline", "snac", "longest_tick_ms")),
         ("generation done p50 ms", _ms("summary", "generated_ms", "p50")),
         ("loop lag p95 ms", _fixed(1, "pipeline", "loop_lag_ms", "p95")),

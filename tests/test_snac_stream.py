@@ -33,10 +33,12 @@ from gateway.speech.snac_stream import (
 )
 from gateway.speech.stream_decoder import (
     BRIDGE_CROSSFADE,
+    EXACT_START_PREFERENCE_S,
     FRAME_S,
     MAX_START_HOLD_S,
     DecodeStream,
     StreamDecoder,
+    exact_start_hold_s,
     start_hold_s,
 )
 from tests.support import decoded_audio, make_frames, wait_until
@@ -700,10 +702,18 @@ def test_the_first_audio_waits_for_what_the_hand_over_will_cost_at_the_pace_show
 
 
 async def test_a_listener_without_a_buffer_starts_after_the_wait_and_a_buffered_one_at_once(
-        stream_decoder: StreamDecoder) -> None:
-    """Two streams get their frames at real-time pace, one frame at a time: the one whose listener plays what comes
-    (0 ms) gets its first audio only once the hand-over's cost has passed after its head was in; the one whose
-    listener buffers 1 s gets it at once, so first. Both come out whole."""
+        snac_model: torch.nn.Module) -> None:
+    """Bridged starts only (`bridge-held`). Two streams get their frames at real-time pace, one frame at a time: the
+    one whose listener plays what comes (0 ms) gets its first audio only once the hand-over's cost has passed after
+    its head was in; the one whose listener buffers 1 s gets it at once, so first. Both come out whole."""
+    stream_decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2), start="bridge-held")
+    try:
+        await _held_and_buffered_starts(stream_decoder)
+    finally:
+        stream_decoder.close()
+
+
+async def _held_and_buffered_starts(stream_decoder: StreamDecoder) -> None:
     frames = make_frames(4, seed=15)
     streams = {lead: stream_decoder.open(lambda lead=lead: lead, lookahead=1) for lead in (0.0, 1.0)}
     first_at: dict[float, float] = {}
@@ -730,6 +740,95 @@ async def test_a_listener_without_a_buffer_starts_after_the_wait_and_a_buffered_
         rest = await decoded_audio(stream.chunks)
         assert stream.handle is not None
         assert stream.handle.emitted == len(frames) * SAMPLES_PER_FRAME > len(rest)
+
+
+def test_a_slow_pace_starts_from_the_exact_stream_and_a_fast_one_from_the_bridge(
+        stream_decoder: StreamDecoder) -> None:
+    """`exact_start_hold_s`: without a bridge there is no hand-over to build lead for, so at real-time pace the
+    exact stream starts a frame's time sooner than the held bridge (133 against 218 ms); at 1.2x it starts a little
+    later, within `EXACT_START_PREFERENCE_S`, so it is still chosen; at 1.5x the bridge needs no wait and the exact
+    stream's third frame comes too late to be chosen. A buffer that covers the delay needs no wait either."""
+    handover = stream_decoder.handover_lead_s
+    head = stream_decoder.snac.HEAD_FRAMES
+
+    def exact(pace: float, received: int = 2, lead_s: float = 0.0) -> float:
+        return exact_start_hold_s(received, FRAME_S / pace, lead_s, handover, head)
+
+    def bridged(pace: float) -> float:
+        return max(0.0, start_hold_s(2, FRAME_S / pace, 0.0, handover, head))
+
+    assert exact(1.0) == pytest.approx(handover - FRAME_S)
+    assert exact(1.0) < bridged(1.0) - 0.05
+    assert bridged(1.2) < exact(1.2) <= bridged(1.2) + EXACT_START_PREFERENCE_S
+    assert exact(1.5) > bridged(1.5) + EXACT_START_PREFERENCE_S
+    assert exact(1.0, lead_s=0.5) <= 0.0
+    assert exact(0.8) > exact(1.0)  # slower than real time: the head's end is the worst point
+
+
+async def test_a_real_time_paced_stream_starts_from_the_exact_stream_held_and_exact(
+        stream_decoder: StreamDecoder, snac_model: torch.nn.Module) -> None:
+    """Frames at real-time pace, one at a time, to a listener without a buffer: no bridge decode at all; the first
+    audio is the exact stream's first (3 frames less its delay), out no sooner than `exact_start_hold_s` after the
+    head's second frame; and every sample is the full decode's (no crossfade anywhere)."""
+    frames = make_frames(6, seed=31)
+    stream = stream_decoder.open(lambda: 0.0, lookahead=1)
+    bridged = stream_decoder.snac.stats.approx_frames
+    head_in: list[float] = []
+
+    async def feed() -> None:
+        for k, frame in enumerate(frames):
+            if k:
+                await asyncio.sleep(FRAME_S)
+            stream_decoder.push(stream, [frame])
+            if k == 1:
+                head_in.append(time.perf_counter())
+        stream_decoder.finish(stream)
+
+    feeder = asyncio.create_task(feed())
+    first = await asyncio.wait_for(stream.chunks.get(), 60)
+    first_at = time.perf_counter()
+    assert isinstance(first, tuple)
+    assert len(first[0]) == 3 * SAMPLES_PER_FRAME - stream_decoder.snac.delay_samples
+    assert first_at - head_in[0] >= 0.9 * (stream_decoder.handover_lead_s - FRAME_S)
+    rest = await decoded_audio(stream.chunks)
+    await feeder
+    assert stream.exact_start and stream_decoder.stats.exact_starts == 1
+    assert stream_decoder.snac.stats.approx_frames == bridged
+    assert stream.handle is not None
+    reference = reference_decode(snac_model, [frames], [stream.handle.seed])[0]
+    audio = np.concatenate([first[0], rest]).astype(np.float32) / 32767
+    assert audio.shape == reference.shape
+    assert np.abs(audio - reference).max() < 2 / 32767  # int16 truncation only
+
+
+async def test_a_streams_pace_is_the_slower_of_its_own_and_every_streams(snac_model: torch.nn.Module) -> None:
+    """A stream whose first two frames came 50 ms apart (1.7x: a bridge needs no wait, so it starts at once)
+    starts that way alone; among streams whose frames come at real-time pace it reads their pace, which calls for
+    the exact stream, held. (One stream's first interval is noisy; the engine steps all of them together.)"""
+    frames = make_frames(6, seed=32)
+
+    async def starts_exact(background: int) -> bool:
+        decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=8))
+        try:
+            others = [decoder.open(lambda: 0.0, lookahead=1) for _ in range(background)]
+            for k in range(4 if background else 0):
+                if k:
+                    await asyncio.sleep(FRAME_S)
+                for other in others:
+                    decoder.push(other, frames[k:k + 1])
+            stream = decoder.open(lambda: 0.0, lookahead=1)
+            decoder.push(stream, frames[:1])
+            await asyncio.sleep(0.05)
+            decoder.push(stream, frames[1:2])
+            await wait_until(lambda: stream.exact_start is not None, timeout=30)  # decided with its head
+            for s in [*others, stream]:
+                decoder.release(s)
+            return bool(stream.exact_start)
+        finally:
+            decoder.close()
+
+    assert not await starts_exact(0)
+    assert await starts_exact(3)
 
 
 async def test_a_sentence_takes_a_decoder_slot_only_once_it_has_frames(stream_decoder: StreamDecoder) -> None:

@@ -19,7 +19,13 @@ covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time gene
 lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or stops early when the lead is not
 going to get there in time; then the exact stream takes over with a crossfade. Where the pace the first frames
 showed cannot get the lead there by the head's end, the first audio waits for the shortfall (`start_hold_s`, at
-most `MAX_START_HOLD_S`): a listener without a buffer then hears no pause at the hand-over. A stream whose listener
+most `MAX_START_HOLD_S`): a listener without a buffer then hears no pause at the hand-over. Where the exact stream
+alone would start no more than `EXACT_START_PREFERENCE_S` later than that held bridge (`exact_start_hold_s`: at a
+pace up to ~1.2x real time, a loaded engine's), the first audio comes from the exact stream and nothing is bridged:
+no hand-over, and none of the bridge's 3 decoded frames per frame, which in a burst of 256 starts slowed every
+stream's generation (H100: 69 -> 97 ms a frame once the holds were decided). The pace both read is the slower of
+the stream's own and the median of every stream's recent frame intervals (`PACE_WINDOW_S`): one stream's first
+interval is noisy (256 feeders on one loop), and the engine steps all streams together. A stream whose listener
 buffers hands over at once (its lead counts the listener's jitter buffer: a WebRTC track's from the start, since
 a listener waiting for its buffer to fill cannot run dry, only start later).
 
@@ -39,8 +45,10 @@ import asyncio
 import contextlib
 import logging
 import queue
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,6 +81,17 @@ DUE_LEAD_S = 0.2
 # The longest a first audio waits for its listener's sake (`start_hold_s`): at a pace below real time no wait
 # would be enough, and a pace measured over the first frames of a burst is slower than what follows.
 MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 4757 samples and the margin)
+# How much later than a held bridge the exact stream may start a stream's audio and still be chosen
+# (`_first_audio_at`): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's
+# generation pays for. 40 ms: the exact start is chosen at paces up to ~1.23x real time (one frame every 69.6 ms; at
+# real-time pace it is 85 ms earlier than the held bridge), the bridge above.
+EXACT_START_PREFERENCE_S = 0.04
+# The generation pace every stream shows (`_pace_s`): frame intervals of the pushes in this last window. Long
+# enough for a few frames of each stream at a loaded pace, short enough that a burst's slow pace is forgotten
+# within a second of its end.
+PACE_WINDOW_S = 0.5
+PACE_SAMPLES = 1024  # at most this many intervals in the window (256 streams at 1.2x push ~3600 frames a second)
+START_POLICIES = ("exact-or-bridge", "bridge-held", "bridge-at-once")  # StreamDecoder(start=...): `_first_audio_at`
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
@@ -94,6 +113,7 @@ class DecodeStats:
     busy_s: float = 0.0  # in exact steps (with the wait for the GPU)
     wakeups: int = 0  # times the worker took commands (each wake-up takes the GIL from an event loop)
     bridge_s: float = 0.0  # in bridge decodes (first audio and pieces until the hand-over; same)
+    exact_starts: int = 0  # streams whose first audio came from the exact stream (`_first_audio_at`), no bridge
     held_steps: int = 0  # steps taken when the hold ran out, no stream due (the others: a stream was due)
     longest_tick_s: float = 0.0  # the longest tick (bridges and step): how long the worker answered nothing
     # Ticks by whole milliseconds (the last: TICK_MS_BUCKETS - 1 or more), so a reader can find the longest tick
@@ -126,6 +146,7 @@ class DecodeStream:
     head_ready_at: float | None = None
     opened: bool = False  # event-loop side only: its open went to the worker (with its first push or finish)
     start_at: float = 0.0  # worker thread only: the latest the first audio was held to so far (`_first_audio_at`)
+    exact_start: bool | None = None  # worker thread only: its first audio comes from the exact stream (None: undecided)
 
 
 class StreamDecoder:
@@ -133,15 +154,17 @@ class StreamDecoder:
 
     def __init__(self, snac: StreamingSnac, max_batch: int = 256,
                  on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S,
-                 due_lead_s: float = DUE_LEAD_S, start_hold: bool = True) -> None:
+                 due_lead_s: float = DUE_LEAD_S, start: str = START_POLICIES[0]) -> None:
         self.snac = snac
         self.max_batch = max_batch
         self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
         self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
-        # A first audio waits for what the hand-over will cost its listener (`start_hold_s`); off: at once, as
-        # before (benchmarks compare the two; bench.fast_start runs in dilated time, where the wall-clock pace
-        # the hold reads is not the model's).
-        self.start_hold = start_hold
+        # How a first audio starts (`_first_audio_at`): from the exact stream or a held bridge, whichever suits
+        # the pace; from a held bridge only; from the bridge at once, as before the hold (benchmarks compare them;
+        # bench.fast_start runs in dilated time, where the wall-clock pace the holds read is not the model's).
+        if start not in START_POLICIES:
+            raise ValueError(f"start must be one of {', '.join(START_POLICIES)}, not {start!r}")
+        self.start = start
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
         # Lead at which the exact stream takes over from the bridge (`_bridge`).
         self.handover_lead_s = snac.delay_samples / SAMPLE_RATE + HANDOVER_MARGIN_S
@@ -152,6 +175,9 @@ class StreamDecoder:
         self.commands_sent = 0  # event-loop side: commands handed to the worker so far (tests wait on it)
         self._streams: list[DecodeStream] = []
         self._last_step = 0.0  # perf_counter of the last step: the hold counts from it
+        # Recent frame intervals of all streams (`_pace_s`): (pushed at, seconds per frame), oldest first.
+        self._intervals: deque[tuple[float, float]] = deque(maxlen=PACE_SAMPLES)
+        self._pace: float | None = None  # their median, while no interval came or went since
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -300,6 +326,8 @@ class StreamDecoder:
             stream.first_push_at = at
         else:
             stream.frames_after_first += frames
+            self._intervals.append((at, (at - stream.last_push_at) / max(frames, 1)))
+            self._pace = None
         stream.last_push_at = at
         handle = stream.handle
         assert handle is not None
@@ -307,32 +335,60 @@ class StreamDecoder:
             stream.head_ready_at = at
 
     def _steppable(self, stream: DecodeStream) -> bool:
-        """The exact stream can advance: before the first audio only through its silent first steps."""
+        """The exact stream can advance: before the first audio only through its silent first steps, unless the
+        first audio is its own and its time has come (`_first_audio_at`)."""
         handle = stream.handle
         return handle is not None and self.snac.ready(handle) and (
-            stream.started or handle.stepped < STEPS_BEFORE_AUDIO)
+            stream.started or handle.stepped < STEPS_BEFORE_AUDIO or (
+                bool(stream.exact_start) and (handle.finished or stream.start_at <= time.perf_counter())))
 
     def _first_audio_at(self, stream: DecodeStream) -> float | None:
         """When an unstarted stream's first audio may go out (perf_counter time; 0: at once), None before its head
-        is ready. At once for a finished sentence (the bridge decodes it whole: no hand-over) and while the pace
-        is unknown (one push so far: a fast start); else held by `start_hold_s` from its latest frame, at most
-        `MAX_START_HOLD_S` after its head was ready. A later frame may move the start later, never sooner: the
-        hold reaches 7 intervals ahead, so a frame that came a few ms early would otherwise cancel it (a 1.2x
-        pace's third frame comes before its hold ends)."""
+        is ready. At once for a finished sentence (the bridge decodes it whole: no hand-over; the exact stream
+        flushes it) and while the pace is unknown (one push so far: a fast start, from the bridge); else, at the
+        pace `_pace_s` reads, held by `start_hold_s` from its latest frame for a bridged start, by
+        `exact_start_hold_s` for one from the exact stream, either at most `MAX_START_HOLD_S` after its head was
+        ready. Which of the two it is is decided once, at the first pace read (`start`, `EXACT_START_PREFERENCE_S`).
+        A later frame may move the start later, never sooner: the hold reaches 7 intervals ahead, so a frame that
+        came a few ms early would otherwise cancel it (a 1.2x pace's third frame comes before its hold ends)."""
         handle = stream.handle
         assert handle is not None
         if handle.finished:
             return 0.0 if handle.received > 0 else None
         if handle.received < stream.lookahead + 1:
             return None
-        if not self.start_hold or stream.frames_after_first == 0 or stream.first_push_at is None \
+        if self.start == "bridge-at-once" or stream.frames_after_first == 0 or stream.first_push_at is None \
                 or stream.head_ready_at is None:
             return 0.0
-        interval = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first
-        hold = start_hold_s(handle.received, interval, stream.lead_s(), self.handover_lead_s,
-                            self.snac.HEAD_FRAMES)
-        stream.start_at = max(stream.start_at, min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S))
+        interval = self._pace_s(stream)
+        lead = stream.lead_s()
+        if stream.exact_start is None:
+            bridged = start_hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
+            exact = exact_start_hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
+            # Compared where each can start at the earliest: the bridge now, the exact stream at its third frame.
+            first_exact = max(0, STEPS_BEFORE_AUDIO + 1 - handle.received) * interval
+            stream.exact_start = self.start == "exact-or-bridge" and (
+                max(exact, first_exact) <= max(bridged, 0.0) + EXACT_START_PREFERENCE_S)
+            if stream.exact_start:
+                stream.bridging = False
+                self.stats.exact_starts += 1
+        hold = (exact_start_hold_s if stream.exact_start else start_hold_s)(
+            handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
+        at = min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S)
+        stream.start_at = max(stream.start_at, at)
         return stream.start_at
+
+    def _pace_s(self, stream: DecodeStream) -> float:
+        """Seconds per frame this stream's generation is expected to take: the slower of its own frames' so far
+        and the median of every stream's in the last `PACE_WINDOW_S`."""
+        assert stream.first_push_at is not None and stream.frames_after_first > 0
+        own = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first
+        if self._pace is None:
+            since = time.perf_counter() - PACE_WINDOW_S
+            while self._intervals and self._intervals[0][0] < since:
+                self._intervals.popleft()
+            self._pace = statistics.median(i for _, i in self._intervals) if self._intervals else 0.0
+        return max(own, self._pace)
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
@@ -366,7 +422,10 @@ class StreamDecoder:
         self.stats.busy_s += elapsed
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed, 1, len(batch))
-        self._deliver([(s, p) for s, p in zip(batch, pcm, strict=True) if len(p)])
+        pieces = [(s, p) for s, p in zip(batch, pcm, strict=True) if len(p)]
+        for stream, _ in pieces:
+            stream.started = True  # a first audio from the exact stream (a bridged one started at its bridge)
+        self._deliver(pieces)
 
     def _keeps_bridging(self, stream: DecodeStream, bridged: int, lead_s: float) -> bool:
         """Bridge on while the lead is short of what the hand-over needs, if at the pace it grew since the last
@@ -475,6 +534,21 @@ def start_hold_s(received: int, interval_s: float, lead_s: float, handover_lead_
     need = handover_lead_s - 3 * max(growth, 0.0)
     last = head_frames + 1  # frames in when the bridge is over
     return (last - received) * interval_s - (last - 2) * FRAME_S + need - lead_s
+
+
+def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> float:
+    """How long after its latest frame a stream's first audio waits when it comes from the exact stream, with no
+    bridge, so that at the generation pace it has shown (a frame every `interval_s`) its listener does not run dry
+    (<= 0: no wait; the audio itself needs 3 frames). `delay_s`: the exact stream's delay with a tick's margin
+    (`handover_lead_s`); `received` and `lead_s` as for `start_hold_s`.
+
+    With k frames in, the exact stream has handed out k frames less its delay; the listener must not have played
+    that before frame k + 1 comes. The worst k is the first (3, the first audio's) when generation outruns real
+    time, and the last one looked at otherwise (the head's end, as `start_hold_s` looks). At real-time pace the
+    wait is 133 ms after the head's second frame against the held bridge's 218; at 1.2x 104 against 76."""
+    first = max(STEPS_BEFORE_AUDIO + 1, received)
+    worst = max((k + 1 - received) * interval_s - k * FRAME_S for k in (first, max(first, head_frames)))
+    return worst + delay_s - lead_s
 
 
 def _put_all(items: list[tuple[DecodeStream, np.ndarray, bool]]) -> None:
