@@ -155,6 +155,19 @@ def test_opus_cpu_bench_writes_both_paths(tmp_path: Path) -> None:
     assert all(r["cpu_ms_per_frame"] >= 0 for r in rows)
 
 
+def test_client_cpu_bench_receives_every_frame_with_both_receivers(tmp_path: Path) -> None:
+    """bench.client_cpu: both receivers get the paced stream (50 frames a second a peer) and their CPU is counted."""
+    from bench.client_cpu import RECEIVERS, main
+
+    out = tmp_path / "client.json"
+    assert main(["--peers", "2", "--seconds", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["receiver"] for r in rows] == list(RECEIVERS)
+    for row in rows:
+        assert row["frames_per_s"] == pytest.approx(2 * 50, rel=0.2)
+        assert row["cpu_us_per_frame"] > 0
+
+
 def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_path: Path) -> None:
     """bench.fast_start runs the real stream decoder in model time: the bridge hands out audio past the first
     frame before the exact stream takes over; without it, the exact stream takes over after one frame."""
@@ -181,6 +194,20 @@ def test_decoder_schedule_decodes_every_stream_whole_with_and_without_the_hold(t
         (0, 50, 30), (0, 200, 30), (50, 50, 30), (50, 200, 30)]
     assert all(r["audio_complete"] and r["steps"] >= 6 for r in runs)  # a step advances a stream by one frame
     assert all(r["bridge_frames_per_frame"] > 0 for r in runs)  # every first audio is a bridge's
+
+
+def test_decoder_schedule_compares_the_start_policies(tmp_path: Path) -> None:
+    """bench.decoder_schedule --starts: at real-time pace, listeners without a buffer start from the exact stream
+    (no bridge decode) under `exact-or-bridge`, from the bridge under `bridge-held`; both come out whole."""
+    from bench import decoder_schedule
+
+    out = tmp_path / "starts.json"
+    assert decoder_schedule.main(["--streams", "2", "--frames", "6", "--pace", "1.0", "--listener-ms", "0",
+                                  "--holds", "0.05", "--starts", "exact-or-bridge,bridge-held", "--out", str(out)]) == 0
+    runs = {r["start"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["exact-or-bridge"]["exact_starts"] == 2 and runs["exact-or-bridge"]["bridge_frames_per_frame"] == 0
+    assert runs["bridge-held"]["exact_starts"] == 0 and runs["bridge-held"]["bridge_frames_per_frame"] > 0
+    assert all(r["audio_complete"] for r in runs.values())
 
 
 def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:

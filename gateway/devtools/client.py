@@ -4,6 +4,10 @@ It negotiates through `POST /v1/webrtc/offer`, opens the `control` data channel,
 its arrival time, and receives and decodes the RTP audio, keeping each 20 ms frame's arrival time and level.
 A frame's arrival time is when aiortc's receive jitter buffer releases it; that buffer is set to hold one packet
 (`RECEIVE_PREFETCH_PACKETS`), as a browser's does on a clean network, so the stamps carry no extra delay.
+The frame is decoded right there, in the event loop (`InLoopAudioDecoder`), not in the decoder thread aiortc gives
+each receiver: benchmarks run hundreds of peers in a few client processes, and the thread's hand-offs cost more
+than the decoding (2-core dev VM, 32 peers of paced speech in one process: 0.55 cores, 347 us of CPU per frame,
+through aiortc's thread; 0.33 and 205 in the loop, stereo decoding; bench.client_cpu).
 It builds its messages with `gateway.rtc.protocol` and checks every event it receives against it: an event the
 protocol does not define lands in `protocol_violations`.
 """
@@ -13,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,11 +26,11 @@ from typing import Any
 
 import aiohttp
 import aiortc
+import av
 import msgspec
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
-from aiortc.jitterbuffer import JitterBuffer
-from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 
 from gateway.rtc import protocol
 from gateway.rtc.protocol import CONTROL_LABEL
@@ -37,6 +43,10 @@ SILENCE_RMS = 1.0  # decoded Opus silence is exactly or nearly zero
 RECEIVE_PREFETCH_PACKETS = 0
 RECEIVE_JITTER_CAPACITY = 16  # packets (a power of 2), aiortc's default for audio
 _JITTER_BUFFER_ATTR = "_RTCRtpReceiver__jitter_buffer"  # aiortc's private, created in RTCRtpReceiver.__init__
+_DECODER_QUEUE_ATTR = "_RTCRtpReceiver__decoder_queue"  # aiortc's private: what its decoder thread reads
+OPUS_RATE = 48000  # RTP clock and decoded rate of Opus (RFC 7587)
+
+log = logging.getLogger(__name__)
 
 
 class OfferRejectedError(RuntimeError):
@@ -98,12 +108,12 @@ class HeadlessPeer:
     def __post_init__(self) -> None:
         self.pc = RTCPeerConnection(self.configuration or RTCConfiguration(iceServers=[]))
         self.channel = self.pc.createDataChannel(CONTROL_LABEL)
-        set_receive_prefetch(self.pc.addTransceiver("audio", direction="recvonly").receiver)
+        receiver = self.pc.addTransceiver("audio", direction="recvonly").receiver
+        set_receive_prefetch(receiver)
+        self._decoder = InLoopAudioDecoder.install(receiver, self._on_audio)
         self._event_arrived = asyncio.Event()
-        self._audio_task: asyncio.Task[None] | None = None
         self._closing = False
         self.channel.on("message", self._on_message)
-        self.pc.on("track", self._on_track)
         self.pc.on("connectionstatechange", self._on_connection_state)
 
     # --- connection -------------------------------------------------------------------------------
@@ -139,11 +149,8 @@ class HeadlessPeer:
 
     async def close(self) -> None:
         self._closing = True
-        if self._audio_task is not None:
-            self._audio_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, MediaStreamError):
-                await self._audio_task
         await self.pc.close()
+        self._decoder.stop()  # aiortc stops it too; not if the receiver never started
 
     def _on_connection_state(self) -> None:
         if self.pc.connectionState in ("failed", "closed") and not self._closing and self.lost_at is None:
@@ -230,23 +237,13 @@ class HeadlessPeer:
         return self.find(kind, utterance_id)[0].at
 
     # --- audio ------------------------------------------------------------------------------------
-    def _on_track(self, track: MediaStreamTrack) -> None:
-        if track.kind == "audio":
-            self._audio_task = asyncio.create_task(self._receive(track))
-
-    async def _receive(self, track: MediaStreamTrack) -> None:
-        receiver = next((r for r in self.pc.getReceivers() if r.track is track), None)
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            samples = frame.to_ndarray()
-            mono = samples.reshape(-1, len(frame.layout.channels))[:, 0] if samples.ndim > 1 else samples
-            rms = float(np.sqrt(np.mean(np.square(mono.astype(np.float32))))) if mono.size else 0.0
-            self.frames.append(ReceivedFrame(time.monotonic(), frame.samples, rms, _rtp_timestamp(receiver, frame)))
-            if self.keep_pcm:
-                self.pcm.append(mono.astype(np.int16))
+    def _on_audio(self, mono: np.ndarray, rtp_timestamp: int | None) -> None:
+        """A decoded 20 ms frame (`InLoopAudioDecoder`), as the jitter buffer released it."""
+        level = mono.astype(np.float32)
+        rms = float(np.sqrt(np.dot(level, level) / level.size)) if level.size else 0.0
+        self.frames.append(ReceivedFrame(time.monotonic(), mono.size, rms, rtp_timestamp))
+        if self.keep_pcm:
+            self.pcm.append(mono.copy())
 
     def audible_frames(self, since: float = 0.0, until: float = float("inf")) -> list[ReceivedFrame]:
         return [f for f in self.frames if f.audible and since <= f.at <= until]
@@ -264,11 +261,69 @@ def set_receive_prefetch(receiver: RTCRtpReceiver, prefetch: int = RECEIVE_PREFE
     setattr(receiver, _JITTER_BUFFER_ATTR, JitterBuffer(capacity=RECEIVE_JITTER_CAPACITY, prefetch=prefetch))
 
 
-def _rtp_timestamp(receiver: Any, frame: Any) -> int | None:
-    """A decoded frame's RTP timestamp: aiortc's receiver gives frames pts counted from the first RTP timestamp it
-    saw (its private `TimestampMapper`), so the stream's own timestamp is that origin + pts."""
+class InLoopAudioDecoder:
+    """Stands in for the queue an aiortc audio receiver hands its encoded frames to: decodes each one (mono Opus)
+    where it is put, in the event loop, as soon as the jitter buffer releases it, and hands the PCM with the
+    frame's RTP timestamp to `on_audio`. aiortc's decoder thread, which still starts, waits on `get` until the
+    receiver stops. (A thread per receiver made each frame a hand-off from the loop to it and back: see the
+    module docstring.)"""
+
+    def __init__(self, receiver: RTCRtpReceiver, on_audio: Callable[[np.ndarray, int | None], None]) -> None:
+        self._receiver = receiver
+        self._on_audio = on_audio
+        self._codec: Any = None
+        self._stopped = threading.Event()
+        self.decode_errors = 0
+
+    @classmethod
+    def install(cls, receiver: RTCRtpReceiver,
+                on_audio: Callable[[np.ndarray, int | None], None]) -> InLoopAudioDecoder:
+        """Before negotiation (the receiver starts its decoder thread on the queue it holds then). An aiortc that
+        moves the queue fails here, not silently with no audio."""
+        if not hasattr(receiver, _DECODER_QUEUE_ATTR):
+            raise RuntimeError(f"aiortc {aiortc.__version__}: RTCRtpReceiver has no {_DECODER_QUEUE_ATTR}; update "
+                               "InLoopAudioDecoder for this aiortc")
+        decoder = cls(receiver, on_audio)
+        setattr(receiver, _DECODER_QUEUE_ATTR, decoder)
+        return decoder
+
+    def put(self, item: tuple[Any, JitterFrame] | None) -> None:
+        """aiortc's receiver: (codec, encoded frame) in the loop; None when it stops."""
+        if item is None:
+            self.stop()
+            return
+        codec, encoded = item
+        if codec.name.lower() != "opus":
+            return  # the gateway offers Opus only
+        if self._codec is None:
+            self._codec = av.CodecContext.create("libopus", "r")
+            self._codec.format = "s16"
+            self._codec.layout = "mono"
+            self._codec.sample_rate = OPUS_RATE
+        packet = av.Packet(encoded.data)
+        try:
+            decoded = self._codec.decode(packet)
+        except av.FFmpegError as exc:
+            self.decode_errors += 1
+            log.warning("audio frame failed to decode: %s", exc)
+            return
+        timestamp = _rtp_timestamp(self._receiver, encoded.timestamp)
+        for frame in decoded:
+            self._on_audio(frame.to_ndarray().reshape(-1), timestamp)
+
+    def get(self) -> None:
+        """aiortc's decoder thread: nothing to decode there; None (its stop) once the receiver stops."""
+        self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _rtp_timestamp(receiver: Any, pts: int) -> int | None:
+    """A frame's RTP timestamp: aiortc's receiver counts an encoded frame's timestamp from the first RTP timestamp it
+    saw (its private `TimestampMapper`), so the stream's own timestamp is that origin + this count."""
     mapper = getattr(receiver, "_RTCRtpReceiver__timestamp_mapper", None)
     origin = getattr(mapper, "_origin", None)
-    if origin is None or frame.pts is None:
+    if origin is None:
         return None
-    return (origin + frame.pts) % (1 << 32)
+    return (origin + pts) % (1 << 32)
