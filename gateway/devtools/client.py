@@ -5,9 +5,10 @@ its arrival time, and receives and decodes the RTP audio, keeping each 20 ms fra
 A frame's arrival time is when aiortc's receive jitter buffer releases it; that buffer is set to hold one packet
 (`RECEIVE_PREFETCH_PACKETS`), as a browser's does on a clean network, so the stamps carry no extra delay.
 The frame is decoded right there, in the event loop (`InLoopAudioDecoder`), not in the decoder thread aiortc gives
-each receiver: benchmarks run hundreds of peers in a few client processes, and the thread's hand-offs cost more
-than the decoding (2-core dev VM, 32 peers of paced speech in one process: 0.55 cores, 347 us of CPU per frame,
-through aiortc's thread; 0.33 and 205 in the loop, stereo decoding; bench.client_cpu).
+each receiver: benchmarks run hundreds of peers in a few client processes, and the thread's hand-offs, its track's
+queue and stereo decoding cost more than the mono decode itself (`bench.client_cpu`, 2-core dev VM, 32 peers of
+paced speech in one process: 149 us of CPU per frame, 0.24 cores, against 301 us and 0.48 through aiortc's own
+receiver; other runs 145-212 against 234-415, the sender sharing the 2 cores).
 It builds its messages with `gateway.rtc.protocol` and checks every event it receives against it: an event the
 protocol does not define lands in `protocol_violations`.
 """
@@ -308,8 +309,8 @@ class InLoopAudioDecoder:
             log.warning("audio frame failed to decode: %s", exc)
             return
         timestamp = _rtp_timestamp(self._receiver, encoded.timestamp)
-        for frame in decoded:
-            self._on_audio(frame.to_ndarray().reshape(-1), timestamp)
+        for frame in decoded:  # mono s16: one plane (padded past its samples); to_ndarray took 20 us of ~150
+            self._on_audio(np.frombuffer(frame.planes[0], dtype=np.int16, count=frame.samples), timestamp)
 
     def get(self) -> None:
         """aiortc's decoder thread: nothing to decode there; None (its stop) once the receiver stops."""
