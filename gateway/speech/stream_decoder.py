@@ -82,9 +82,10 @@ DUE_LEAD_S = 0.2
 # would be enough, and a pace measured over the first frames of a burst is slower than what follows.
 MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 4757 samples and the margin)
 # How much later than a held bridge the exact stream may start a stream's audio and still be chosen
-# (`_first_audio_at`): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's
-# generation pays for. 40 ms: the exact start is chosen at paces up to ~1.23x real time (one frame every 69.6 ms; at
-# real-time pace it is 85 ms earlier than the held bridge), the bridge above.
+# (`_first_audio_at`; a bridge that needs no hold is always kept: it starts at once, and at such a pace its GPU time
+# is to spare): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's generation
+# pays for. 40 ms: the exact start is chosen at paces up to ~1.23x real time (one frame every 69.6 ms; at real-time
+# pace it is 85 ms earlier than the held bridge), the bridge above.
 EXACT_START_PREFERENCE_S = 0.04
 # The generation pace every stream shows (`_pace_s`): frame intervals of the pushes in this last window. Long
 # enough for a few frames of each stream at a loaded pace, short enough that a burst's slow pace is forgotten
@@ -365,10 +366,11 @@ class StreamDecoder:
         if stream.exact_start is None:
             bridged = start_hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
             exact = exact_start_hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
-            # Compared where each can start at the earliest: the bridge now, the exact stream at its third frame.
+            # Only where the bridge would wait too (a loaded pace): at a fast one it starts at once, and its GPU
+            # time is to spare. Compared where each can start at the earliest: the exact stream at its third frame.
             first_exact = max(0, STEPS_BEFORE_AUDIO + 1 - handle.received) * interval
-            stream.exact_start = self.start == "exact-or-bridge" and (
-                max(exact, first_exact) <= max(bridged, 0.0) + EXACT_START_PREFERENCE_S)
+            stream.exact_start = self.start == "exact-or-bridge" and bridged > 0 and (
+                max(exact, first_exact) <= bridged + EXACT_START_PREFERENCE_S)
             if stream.exact_start:
                 stream.bridging = False
                 self.stats.exact_starts += 1
