@@ -28,8 +28,9 @@ from pathlib import Path
 from bench.timing import simulate_playback
 from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
+from gateway.speech.first_audio import START_POLICIES
 from gateway.speech.snac_stream import StreamingSnac
-from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, START_POLICIES, StreamDecoder
+from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 

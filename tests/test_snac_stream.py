@@ -20,6 +20,14 @@ import pytest
 import torch
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
+from gateway.speech.first_audio import (
+    EXACT_START_PREFERENCE_S,
+    FRAME_S,
+    MAX_START_HOLD_S,
+    GenerationPace,
+    exact_start_hold_s,
+    start_hold_s,
+)
 from gateway.speech.snac_stream import (
     GPU_SNAC_DTYPE,
     MAX_HEAD_FRAMES,
@@ -31,16 +39,7 @@ from gateway.speech.snac_stream import (
     snac_compiles,
     snac_device_and_dtype,
 )
-from gateway.speech.stream_decoder import (
-    BRIDGE_CROSSFADE,
-    EXACT_START_PREFERENCE_S,
-    FRAME_S,
-    MAX_START_HOLD_S,
-    DecodeStream,
-    StreamDecoder,
-    exact_start_hold_s,
-    start_hold_s,
-)
+from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
 from tests.support import decoded_audio, make_frames, wait_until
 
 EXACT = 1e-5  # float32 max abs difference that counts as exact (measured: ~6e-7; audio peaks ~0.7)
@@ -763,6 +762,21 @@ def test_a_slow_pace_starts_from_the_exact_stream_and_a_fast_one_from_the_bridge
     assert exact(1.5) > bridged(1.5) + EXACT_START_PREFERENCE_S
     assert exact(1.0, lead_s=0.5) <= 0.0
     assert exact(0.8) > exact(1.0)  # slower than real time: the head's end is the worst point
+
+
+def test_the_generation_pace_is_the_median_frame_interval_of_its_window() -> None:
+    """`GenerationPace`: the median of the window's per-frame intervals (an outlier does not move it; a push of
+    two frames counts its interval per frame), and nothing once the window has passed them all."""
+    pace = GenerationPace(window_s=0.5)
+    assert pace.seconds_per_frame(10.0) == 0.0
+    for k, seconds in enumerate([0.08, 0.09, 0.5, 0.085]):
+        pace.add(10.0 + 0.01 * k, seconds, frames=1)
+    pace.add(10.05, 0.17, frames=2)
+    assert pace.seconds_per_frame(10.1) == pytest.approx(0.085)
+    pace.add(10.4, 0.07, frames=1)
+    assert pace.seconds_per_frame(10.52) == pytest.approx(0.085)  # the first left the window: 0.09 .. 0.5
+    assert pace.seconds_per_frame(10.85) == pytest.approx(0.07)
+    assert pace.seconds_per_frame(11.0) == 0.0
 
 
 async def test_a_real_time_paced_stream_starts_from_the_exact_stream_held_and_exact(

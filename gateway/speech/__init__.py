@@ -2,7 +2,8 @@
 
 Owns: the engine lifecycle (`engine.OrpheusEngine` in-process, `remote.RemoteEngine` over `vllm serve`), SNAC
 decoding (`snac_stream`: the exact streaming decoder and its fast-start bridge; `stream_decoder`: its worker thread,
-batching every sentence of a process; `codec_server`: one decoder shared over a Unix socket) and
+batching every sentence of a process; `first_audio`: when, and from which of the two, a sentence's first audio
+goes out; `codec_server`: one decoder shared over a Unix socket) and
 `synthesizer.Synthesizer`, the one interface every front end uses, with its request rules (`check_text`,
 `resolve_voice`).
 May import: `gateway.orpheus` (model facts), `gateway.config`, vllm, torch, snac, numpy, aiohttp (the remote

@@ -18,14 +18,13 @@ bridge therefore costs that much lead once. So the bridge goes on with each new 
 covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time generation pace; less when the
 lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or stops early when the lead is not
 going to get there in time; then the exact stream takes over with a crossfade. Where the pace the first frames
-showed cannot get the lead there by the head's end, the first audio waits for the shortfall (`start_hold_s`, at
-most `MAX_START_HOLD_S`): a listener without a buffer then hears no pause at the hand-over. Where the exact stream
-alone would start no more than `EXACT_START_PREFERENCE_S` later than that held bridge (`exact_start_hold_s`: at a
-pace up to ~1.2x real time, a loaded engine's), the first audio comes from the exact stream and nothing is bridged:
-no hand-over, and none of the bridge's 3 decoded frames per frame, which in a burst of 256 starts slowed every
-stream's generation (H100: 69 -> 97 ms a frame once the holds were decided). The pace both read is the slower of
-the stream's own and the median of every stream's recent frame intervals (`PACE_WINDOW_S`): one stream's first
-interval is noisy (256 feeders on one loop), and the engine steps all streams together. A stream whose listener
+showed cannot get the lead there by the head's end, the first audio waits for the shortfall (`first_audio`'s
+`start_hold_s`): a listener without a buffer then hears no pause at the hand-over. Where the exact stream alone
+would start no more than 40 ms later than that held bridge (`first_audio.starts_exact`: at a pace up to ~1.2x real
+time, a loaded engine's), the first audio comes from the exact stream and nothing is bridged: no hand-over, and
+none of the bridge's 3 decoded frames per frame, which in a burst of 256 starts slowed every stream's generation
+(H100: 69 -> 97 ms a frame once the holds were decided). The pace both read is the slower of the stream's own and
+every stream's recent one (`first_audio.GenerationPace`). A stream whose listener
 buffers hands over at once (its lead counts the listener's jitter buffer: a WebRTC track's from the start, since
 a listener waiting for its buffer to fill cannot run dry, only start later).
 
@@ -45,17 +44,24 @@ import asyncio
 import contextlib
 import logging
 import queue
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
+from gateway.orpheus import SAMPLE_RATE, Frame
+from gateway.speech.first_audio import (
+    FRAME_S,
+    MAX_START_HOLD_S,
+    START_POLICIES,
+    GenerationPace,
+    exact_start_hold_s,
+    start_hold_s,
+    starts_exact,
+)
 
 if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_server imports it, torch-free)
     from gateway.speech.snac_stream import StreamHandle, StreamingSnac
@@ -66,7 +72,6 @@ STEPS_BEFORE_AUDIO = 2  # a stream's first two steps emit nothing (4096 < 4757 s
 BRIDGE_CROSSFADE = 512  # samples: halves the hand-over error of a 256-sample fade (snac_stream docstring)
 # Lead beyond the hand-over's own need: a tick's decode and delivery (~15 ms at 256 streams on an H200).
 HANDOVER_MARGIN_S = 0.02
-FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 # Frames a stream's first audio waits for beyond its own unless the tokens come fast (then 0): one frame of right
 # context is where the bridge's error falls to the crossfade's scale (`snac_stream`'s window measurements).
 FIRST_AUDIO_LOOKAHEAD = 1
@@ -78,21 +83,6 @@ FIRST_AUDIO_LOOKAHEAD = 1
 # ms. (The lessons' collapse over WebRTC it was raised for came from workers and the lead's model instead:
 # docs/benchmarks.md, 2026-12-05 afternoon.) Listeners at 0 ms are below it from their first audio on.
 DUE_LEAD_S = 0.2
-# The longest a first audio waits for its listener's sake (`start_hold_s`): at a pace below real time no wait
-# would be enough, and a pace measured over the first frames of a burst is slower than what follows.
-MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 4757 samples and the margin)
-# How much later than a held bridge the exact stream may start a stream's audio and still be chosen
-# (`_first_audio_at`; a bridge that needs no hold is always kept: it starts at once, and at such a pace its GPU time
-# is to spare): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's generation
-# pays for. 40 ms: the exact start is chosen at paces up to ~1.23x real time (one frame every 69.6 ms; at real-time
-# pace it is 85 ms earlier than the held bridge), the bridge above.
-EXACT_START_PREFERENCE_S = 0.04
-# The generation pace every stream shows (`_pace_s`): frame intervals of the pushes in this last window. Long
-# enough for a few frames of each stream at a loaded pace, short enough that a burst's slow pace is forgotten
-# within a second of its end.
-PACE_WINDOW_S = 0.5
-PACE_SAMPLES = 1024  # at most this many intervals in the window (256 streams at 1.2x push ~3600 frames a second)
-START_POLICIES = ("exact-or-bridge", "bridge-held", "bridge-at-once")  # StreamDecoder(start=...): `_first_audio_at`
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
@@ -176,9 +166,7 @@ class StreamDecoder:
         self.commands_sent = 0  # event-loop side: commands handed to the worker so far (tests wait on it)
         self._streams: list[DecodeStream] = []
         self._last_step = 0.0  # perf_counter of the last step: the hold counts from it
-        # Recent frame intervals of all streams (`_pace_s`): (pushed at, seconds per frame), oldest first.
-        self._intervals: deque[tuple[float, float]] = deque(maxlen=PACE_SAMPLES)
-        self._pace: float | None = None  # their median, while no interval came or went since
+        self.pace = GenerationPace()  # every stream's recent frame intervals (`_pace_s`)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -327,8 +315,7 @@ class StreamDecoder:
             stream.first_push_at = at
         else:
             stream.frames_after_first += frames
-            self._intervals.append((at, (at - stream.last_push_at) / max(frames, 1)))
-            self._pace = None
+            self.pace.add(at, at - stream.last_push_at, frames)
         stream.last_push_at = at
         handle = stream.handle
         assert handle is not None
@@ -364,13 +351,8 @@ class StreamDecoder:
         interval = self._pace_s(stream)
         lead = stream.lead_s()
         if stream.exact_start is None:
-            bridged = start_hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
-            exact = exact_start_hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
-            # Only where the bridge would wait too (a loaded pace): at a fast one it starts at once, and its GPU
-            # time is to spare. Compared where each can start at the earliest: the exact stream at its third frame.
-            first_exact = max(0, STEPS_BEFORE_AUDIO + 1 - handle.received) * interval
-            stream.exact_start = self.start == "exact-or-bridge" and bridged > 0 and (
-                max(exact, first_exact) <= bridged + EXACT_START_PREFERENCE_S)
+            stream.exact_start = self.start == "exact-or-bridge" and starts_exact(
+                handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
             if stream.exact_start:
                 stream.bridging = False
                 self.stats.exact_starts += 1
@@ -382,15 +364,10 @@ class StreamDecoder:
 
     def _pace_s(self, stream: DecodeStream) -> float:
         """Seconds per frame this stream's generation is expected to take: the slower of its own frames' so far
-        and the median of every stream's in the last `PACE_WINDOW_S`."""
+        and every stream's recent ones (`GenerationPace`)."""
         assert stream.first_push_at is not None and stream.frames_after_first > 0
         own = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first
-        if self._pace is None:
-            since = time.perf_counter() - PACE_WINDOW_S
-            while self._intervals and self._intervals[0][0] < since:
-                self._intervals.popleft()
-            self._pace = statistics.median(i for _, i in self._intervals) if self._intervals else 0.0
-        return max(own, self._pace)
+        return max(own, self.pace.seconds_per_frame(time.perf_counter()))
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
@@ -517,40 +494,6 @@ class StreamDecoder:
             by_loop.setdefault(stream.loop, []).append((stream, pcm, last))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
-
-
-def start_hold_s(received: int, interval_s: float, lead_s: float, handover_lead_s: float, head_frames: int) -> float:
-    """How long after its latest frame a stream's first audio waits, so that at the generation pace it has
-    shown (a frame every `interval_s`) its listener does not run dry when the exact stream takes over (<= 0: no
-    wait). `received` frames are in; `lead_s` is what the listener already holds (its jitter buffer, audio of an
-    utterance ahead).
-
-    The bridge hands out each frame once the next is in, and goes on at most until the frame after the head's
-    last (`head_frames` + 1 received): its audio then reaches frame `head_frames` - 1, so the listener holds
-    (`head_frames` - 1) frames less the time from its start to that frame's arrival. The hand-over needs
-    `handover_lead_s` less 3 frames' growth (`_keeps_bridging`). Starting later by the shortfall gives the
-    listener that much more at every point, the hand-over included: one wait at the start instead of a pause
-    after the first words (H200, 256 listeners without a buffer: every stream paused once, 41 ms on average,
-    right after its first piece)."""
-    growth = FRAME_S - interval_s
-    need = handover_lead_s - 3 * max(growth, 0.0)
-    last = head_frames + 1  # frames in when the bridge is over
-    return (last - received) * interval_s - (last - 2) * FRAME_S + need - lead_s
-
-
-def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> float:
-    """How long after its latest frame a stream's first audio waits when it comes from the exact stream, with no
-    bridge, so that at the generation pace it has shown (a frame every `interval_s`) its listener does not run dry
-    (<= 0: no wait; the audio itself needs 3 frames). `delay_s`: the exact stream's delay with a tick's margin
-    (`handover_lead_s`); `received` and `lead_s` as for `start_hold_s`.
-
-    With k frames in, the exact stream has handed out k frames less its delay; the listener must not have played
-    that before frame k + 1 comes. The worst k is the first (3, the first audio's) when generation outruns real
-    time, and the last one looked at otherwise (the head's end, as `start_hold_s` looks). At real-time pace the
-    wait is 133 ms after the head's second frame against the held bridge's 218; at 1.2x 104 against 76."""
-    first = max(STEPS_BEFORE_AUDIO + 1, received)
-    worst = max((k + 1 - received) * interval_s - k * FRAME_S for k in (first, max(first, head_frames)))
-    return worst + delay_s - lead_s
 
 
 def _put_all(items: list[tuple[DecodeStream, np.ndarray, bool]]) -> None:

@@ -1,0 +1,113 @@
+"""When a sentence's first audio goes out, and from where: the arithmetic of the fast start, which
+`stream_decoder.StreamDecoder` applies to each stream (`_first_audio_at`), and the generation pace it reads
+(`GenerationPace`). Numbers only: no threads, no torch.
+
+A first audio comes from the bridge (`snac_stream.StreamingSnac.bridge`) once a stream's head is in. The exact
+stream runs 2709 samples (113 ms) further behind its input than the bridge, so handing over from the bridge costs
+the listener that much lead once, and at a loaded pace (1.0-1.3x real time) the bridge's 8 head frames cannot build
+it: a listener without a buffer paused right after its first words. So the bridged start waits for the shortfall
+(`start_hold_s`, at most `MAX_START_HOLD_S` after the head). Or, where that wait is long, the first audio comes from
+the exact stream itself, with no bridge and no hand-over (`exact_start_hold_s`; chosen by `starts_exact`): sooner at
+real-time pace, and none of the bridge's work, which in a burst the whole batch's generation pays for.
+
+May import: `gateway.orpheus` (model facts).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
+
+FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
+# Frames in when the exact stream hands out its first audio: 3 x 2048 samples pass its 4757 samples of delay.
+FIRST_EXACT_FRAMES = 3
+# The longest a first audio waits for its listener's sake (`start_hold_s`): at a pace below real time no wait
+# would be enough, and a pace measured over the first frames of a burst is slower than what follows.
+MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 4757 samples and the margin)
+# How much later than a held bridge the exact stream may start a stream's audio and still be chosen
+# (`starts_exact`; a bridge that needs no hold is always kept: it starts at once, and at such a pace its GPU time
+# is to spare): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's generation
+# pays for. 40 ms: the exact start is chosen at paces up to ~1.23x real time (one frame every 69.6 ms; at real-time
+# pace it is 85 ms earlier than the held bridge), the bridge above.
+EXACT_START_PREFERENCE_S = 0.04
+# The generation pace every stream shows (`GenerationPace`): frame intervals of the pushes in this last window. Long
+# enough for a few frames of each stream at a loaded pace, short enough that a burst's slow pace is forgotten
+# within a second of its end.
+PACE_WINDOW_S = 0.5
+PACE_SAMPLES = 1024  # at most this many intervals in the window (256 streams at 1.2x push ~3600 frames a second)
+# How first audio starts (`StreamDecoder(start=...)`): from the exact stream or a held bridge, as `starts_exact`
+# says; from a held bridge only; from the bridge at once, as before the holds.
+START_POLICIES = ("exact-or-bridge", "bridge-held", "bridge-at-once")
+
+
+def start_hold_s(received: int, interval_s: float, lead_s: float, handover_lead_s: float, head_frames: int) -> float:
+    """How long after its latest frame a stream's first audio from the bridge waits, so that at the generation pace
+    it has shown (a frame every `interval_s`) its listener does not run dry when the exact stream takes over (<= 0:
+    no wait). `received` frames are in; `lead_s` is what the listener already holds (its jitter buffer, audio of an
+    utterance ahead).
+
+    The bridge hands out each frame once the next is in, and goes on at most until the frame after the head's
+    last (`head_frames` + 1 received): its audio then reaches frame `head_frames` - 1, so the listener holds
+    (`head_frames` - 1) frames less the time from its start to that frame's arrival. The hand-over needs
+    `handover_lead_s` less 3 frames' growth (`StreamDecoder._keeps_bridging`). Starting later by the shortfall gives the
+    listener that much more at every point, the hand-over included: one wait at the start instead of a pause
+    after the first words (H200, 256 listeners without a buffer: every stream paused once, 41 ms on average,
+    right after its first piece)."""
+    growth = FRAME_S - interval_s
+    need = handover_lead_s - 3 * max(growth, 0.0)
+    last = head_frames + 1  # frames in when the bridge is over
+    return (last - received) * interval_s - (last - 2) * FRAME_S + need - lead_s
+
+
+def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> float:
+    """How long after its latest frame a stream's first audio waits when it comes from the exact stream, with no
+    bridge, so that at the generation pace it has shown (a frame every `interval_s`) its listener does not run dry
+    (<= 0: no wait; the audio itself needs 3 frames). `delay_s`: the exact stream's delay with a tick's margin
+    (`handover_lead_s`); `received` and `lead_s` as for `start_hold_s`.
+
+    With k frames in, the exact stream has handed out k frames less its delay; the listener must not have played
+    that before frame k + 1 comes. The worst k is the first (3, the first audio's) when generation outruns real
+    time, and the last one looked at otherwise (the head's end, as `start_hold_s` looks). At real-time pace the
+    wait is 133 ms after the head's second frame against the held bridge's 218; at 1.2x 104 against 76."""
+    first = max(FIRST_EXACT_FRAMES, received)
+    worst = max((k + 1 - received) * interval_s - k * FRAME_S for k in (first, max(first, head_frames)))
+    return worst + delay_s - lead_s
+
+
+def starts_exact(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> bool:
+    """Whether a stream's first audio should come from the exact stream rather than the bridge: only where the
+    bridge would wait too (a loaded pace; at a fast one it starts at once, and its GPU time is to spare), and the
+    exact stream starts at most `EXACT_START_PREFERENCE_S` after it. Compared where each can start at the earliest:
+    the exact stream at its third frame. Arguments as for `start_hold_s`."""
+    bridged = start_hold_s(received, interval_s, lead_s, delay_s, head_frames)
+    exact = exact_start_hold_s(received, interval_s, lead_s, delay_s, head_frames)
+    first_exact = max(0, FIRST_EXACT_FRAMES - received) * interval_s
+    return bridged > 0 and max(exact, first_exact) <= bridged + EXACT_START_PREFERENCE_S
+
+
+class GenerationPace:
+    """Seconds per frame the engine's generation takes now, from every stream's frame intervals in the last
+    `PACE_WINDOW_S`: one stream's first interval is noisy (256 feeders on one event loop), and the engine steps all
+    streams together. One owner thread: the stream decoder's worker."""
+
+    def __init__(self, window_s: float = PACE_WINDOW_S, samples: int = PACE_SAMPLES) -> None:
+        self.window_s = window_s
+        self._intervals: deque[tuple[float, float]] = deque(maxlen=samples)  # (at, seconds per frame), oldest first
+        self._median: float | None = None  # of the intervals, while none came or went since
+
+    def add(self, at: float, seconds: float, frames: int) -> None:
+        """`frames` frames came at `at` (perf_counter time), `seconds` after the same stream's previous ones."""
+        self._intervals.append((at, seconds / max(frames, 1)))
+        self._median = None
+
+    def seconds_per_frame(self, now: float) -> float:
+        """The median interval of the window ending `now` (0: none in it)."""
+        if self._intervals and self._intervals[0][0] < now - self.window_s:
+            while self._intervals and self._intervals[0][0] < now - self.window_s:
+                self._intervals.popleft()
+            self._median = None
+        if self._median is None:
+            self._median = statistics.median(i for _, i in self._intervals) if self._intervals else 0.0
+        return self._median
