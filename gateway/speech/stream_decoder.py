@@ -54,6 +54,7 @@ import numpy as np
 
 from gateway.orpheus import SAMPLE_RATE, Frame
 from gateway.speech.first_audio import (
+    FIRST_EXACT_FRAMES,
     FRAME_S,
     MAX_START_HOLD_S,
     START_POLICIES,
@@ -68,7 +69,7 @@ if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_s
 
 log = logging.getLogger(__name__)
 
-STEPS_BEFORE_AUDIO = 2  # a stream's first two steps emit nothing (4096 < 4757 samples of delay): step that far
+STEPS_BEFORE_AUDIO = FIRST_EXACT_FRAMES - 1  # a stream's first 2 steps emit nothing (4096 < 4757 samples of delay)
 BRIDGE_CROSSFADE = 512  # samples: halves the hand-over error of a 256-sample fade (snac_stream docstring)
 # Lead beyond the hand-over's own need: a tick's decode and delivery (~15 ms at 256 streams on an H200).
 HANDOVER_MARGIN_S = 0.02
@@ -336,7 +337,7 @@ class StreamDecoder:
         flushes it) and while the pace is unknown (one push so far: a fast start, from the bridge); else, at the
         pace `_pace_s` reads, held by `start_hold_s` from its latest frame for a bridged start, by
         `exact_start_hold_s` for one from the exact stream, either at most `MAX_START_HOLD_S` after its head was
-        ready. Which of the two it is is decided once, at the first pace read (`start`, `EXACT_START_PREFERENCE_S`).
+        ready. Which of the two it is is decided once, at the first pace read (`start`, `starts_exact`).
         A later frame may move the start later, never sooner: the hold reaches 7 intervals ahead, so a frame that
         came a few ms early would otherwise cancel it (a 1.2x pace's third frame comes before its hold ends)."""
         handle = stream.handle
