@@ -21,12 +21,14 @@ import torch
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
 from gateway.speech.first_audio import (
+    EXACT_START_MARGIN_S,
     EXACT_START_PREFERENCE_S,
     FRAME_S,
     MAX_START_HOLD_S,
     GenerationPace,
     exact_start_hold_s,
     start_hold_s,
+    starts_exact,
 )
 from gateway.speech.snac_stream import (
     GPU_SNAC_DTYPE,
@@ -744,9 +746,10 @@ async def _held_and_buffered_starts(stream_decoder: StreamDecoder) -> None:
 def test_a_slow_pace_starts_from_the_exact_stream_and_a_fast_one_from_the_bridge(
         stream_decoder: StreamDecoder) -> None:
     """`exact_start_hold_s`: without a bridge there is no hand-over to build lead for, so at real-time pace the
-    exact stream starts a frame's time sooner than the held bridge (133 against 218 ms); at 1.2x it starts a little
-    later, within `EXACT_START_PREFERENCE_S`, so it is still chosen; at 1.5x the bridge needs no wait and the exact
-    stream's third frame comes too late to be chosen. A buffer that covers the delay needs no wait either."""
+    exact stream starts sooner than the held bridge (a frame's time less its margin: 173 against 218 ms); at 1.2x
+    it starts later, within `EXACT_START_PREFERENCE_S` (its margin aside), so it is still chosen; at 1.5x the bridge
+    needs no wait and the exact stream's third frame comes too late to be chosen. A buffer that covers the delay
+    needs no wait either."""
     handover = stream_decoder.handover_lead_s
     head = stream_decoder.snac.HEAD_FRAMES
 
@@ -756,10 +759,11 @@ def test_a_slow_pace_starts_from_the_exact_stream_and_a_fast_one_from_the_bridge
     def bridged(pace: float) -> float:
         return max(0.0, start_hold_s(2, FRAME_S / pace, 0.0, handover, head))
 
-    assert exact(1.0) == pytest.approx(handover - FRAME_S)
-    assert exact(1.0) < bridged(1.0) - 0.05
-    assert bridged(1.2) < exact(1.2) <= bridged(1.2) + EXACT_START_PREFERENCE_S
-    assert exact(1.5) > bridged(1.5) + EXACT_START_PREFERENCE_S
+    assert exact(1.0) == pytest.approx(handover - FRAME_S + EXACT_START_MARGIN_S)
+    assert exact(1.0) < bridged(1.0) - 0.04
+    assert bridged(1.2) < exact(1.2) <= bridged(1.2) + EXACT_START_PREFERENCE_S + EXACT_START_MARGIN_S
+    assert starts_exact(2, FRAME_S / 1.2, 0.0, handover, head) and starts_exact(2, FRAME_S, 0.0, handover, head)
+    assert bridged(1.5) == 0.0 and not starts_exact(2, FRAME_S / 1.5, 0.0, handover, head)
     assert exact(1.0, lead_s=0.5) <= 0.0
     assert exact(0.8) > exact(1.0)  # slower than real time: the head's end is the worst point
 
@@ -803,7 +807,7 @@ async def test_a_real_time_paced_stream_starts_from_the_exact_stream_held_and_ex
     first_at = time.perf_counter()
     assert isinstance(first, tuple)
     assert len(first[0]) == 3 * SAMPLES_PER_FRAME - stream_decoder.snac.delay_samples
-    assert first_at - head_in[0] >= 0.9 * (stream_decoder.handover_lead_s - FRAME_S)
+    assert first_at - head_in[0] >= 0.9 * (stream_decoder.handover_lead_s - FRAME_S + EXACT_START_MARGIN_S)
     rest = await decoded_audio(stream.chunks)
     await feeder
     assert stream.exact_start and stream_decoder.stats.exact_starts == 1

@@ -29,9 +29,16 @@ MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 47
 # How much later than a held bridge the exact stream may start a stream's audio and still be chosen
 # (`starts_exact`; a bridge that needs no hold is always kept: it starts at once, and at such a pace its GPU time
 # is to spare): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's generation
-# pays for. 40 ms: the exact start is chosen at paces up to ~1.23x real time (one frame every 69.6 ms; at real-time
-# pace it is 85 ms earlier than the held bridge), the bridge above.
-EXACT_START_PREFERENCE_S = 0.04
+# pays for (H100, 256 users: frames 2-5 came 87-93 ms apart after a first interval of 65, then 65 again). 80 ms:
+# the exact start is chosen at paces up to ~1.33x real time (one frame every 64 ms), the bridge above. Measured
+# (engine level, 0 ms, one H100, same machine; docs/benchmarks.md 2026-12-05 night): with 80 ms and
+# `EXACT_START_MARGIN_S`, 124/209/384 of 128/256/384 kept real time; with 40 ms and no margin 105/40/27; the held
+# bridge alone 126/75/235.
+EXACT_START_PREFERENCE_S = 0.08
+# Lead an exact start's hold keeps beyond the tick margin: the pace after the head is often a little slower than
+# the head's (H100, 384 users: 84 ms, then 85-96), and without it most streams ran dry by a few ms at the 8th piece
+# (357 of 384 stalled, 1 ms median; with it none did).
+EXACT_START_MARGIN_S = 0.04
 # The generation pace every stream shows (`GenerationPace`): frame intervals of the pushes in this last window. Long
 # enough for a few frames of each stream at a loaded pace, short enough that a burst's slow pace is forgotten
 # within a second of its end.
@@ -69,20 +76,21 @@ def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s:
 
     With k frames in, the exact stream has handed out k frames less its delay; the listener must not have played
     that before frame k + 1 comes. The worst k is the first (3, the first audio's) when generation outruns real
-    time, and the last one looked at otherwise (the head's end, as `start_hold_s` looks). At real-time pace the
-    wait is 133 ms after the head's second frame against the held bridge's 218; at 1.2x 104 against 76."""
+    time, and the last one looked at otherwise (the head's end, as `start_hold_s` looks); `EXACT_START_MARGIN_S`
+    more. At real-time pace the wait is 173 ms after the head's second frame against the held bridge's 218; at 1.2x
+    144 against 76."""
     first = max(FIRST_EXACT_FRAMES, received)
     worst = max((k + 1 - received) * interval_s - k * FRAME_S for k in (first, max(first, head_frames)))
-    return worst + delay_s - lead_s
+    return worst + delay_s + EXACT_START_MARGIN_S - lead_s
 
 
 def starts_exact(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> bool:
     """Whether a stream's first audio should come from the exact stream rather than the bridge: only where the
     bridge would wait too (a loaded pace; at a fast one it starts at once, and its GPU time is to spare), and the
-    exact stream starts at most `EXACT_START_PREFERENCE_S` after it. Compared where each can start at the earliest:
-    the exact stream at its third frame. Arguments as for `start_hold_s`."""
+    exact stream, its margin aside, starts at most `EXACT_START_PREFERENCE_S` after it. Compared where each can
+    start at the earliest: the exact stream at its third frame. Arguments as for `start_hold_s`."""
     bridged = start_hold_s(received, interval_s, lead_s, delay_s, head_frames)
-    exact = exact_start_hold_s(received, interval_s, lead_s, delay_s, head_frames)
+    exact = exact_start_hold_s(received, interval_s, lead_s, delay_s, head_frames) - EXACT_START_MARGIN_S
     first_exact = max(0, FIRST_EXACT_FRAMES - received) * interval_s
     return bridged > 0 and max(exact, first_exact) <= bridged + EXACT_START_PREFERENCE_S
 

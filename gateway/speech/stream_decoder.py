@@ -20,11 +20,12 @@ lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or s
 going to get there in time; then the exact stream takes over with a crossfade. Where the pace the first frames
 showed cannot get the lead there by the head's end, the first audio waits for the shortfall (`first_audio`'s
 `start_hold_s`): a listener without a buffer then hears no pause at the hand-over. Where the exact stream alone
-would start no more than 40 ms later than that held bridge (`first_audio.starts_exact`: at a pace up to ~1.2x real
+would start no more than 80 ms later than that held bridge (`first_audio.starts_exact`: at a pace up to ~1.33x real
 time, a loaded engine's), the first audio comes from the exact stream and nothing is bridged: no hand-over, and
 none of the bridge's 3 decoded frames per frame, which in a burst of 256 starts slowed every stream's generation
-(H100: 69 -> 97 ms a frame once the holds were decided). The pace both read is the slower of the stream's own and
-every stream's recent one (`first_audio.GenerationPace`). A stream whose listener
+(H100: 65 -> 93 ms a frame over the bridges' frames). Engine level, 0 ms listeners, one H100: 124/209/384 of
+128/256/384 kept real time, against 126/75/235 with the held bridge alone. The pace both read is the slower of the
+stream's own and every stream's recent one (`first_audio.GenerationPace`). A stream whose listener
 buffers hands over at once (its lead counts the listener's jitter buffer: a WebRTC track's from the start, since
 a listener waiting for its buffer to fill cannot run dry, only start later).
 
