@@ -71,7 +71,7 @@ def _receiver(conn: Connection, receiver: str, peers: int, seconds: float) -> No
     """Connects `peers` receivers of the given kind; reports CPU seconds, wall seconds and frames received."""
     from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
-    from gateway.devtools.client import HeadlessPeer, set_receive_prefetch
+    from gateway.devtools.client import HeadlessPeer, frame_rms, set_receive_prefetch
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -83,8 +83,8 @@ def _receiver(conn: Connection, receiver: str, peers: int, seconds: float) -> No
         async def consume(track: Any, frames: list[tuple[float, float]]) -> None:
             while True:  # the headless peer's bookkeeping, on aiortc's decoded frames
                 frame = await track.recv()
-                level = frame.to_ndarray().reshape(-1, len(frame.layout.channels))[:, 0].astype(np.float32)
-                frames.append((time.monotonic(), float(np.sqrt(np.dot(level, level) / level.size))))
+                mono = frame.to_ndarray().reshape(-1, len(frame.layout.channels))[:, 0]
+                frames.append((time.monotonic(), frame_rms(mono)))
 
         for _ in range(peers):
             if receiver == "headless peer":

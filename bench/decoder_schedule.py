@@ -41,7 +41,7 @@ class ScheduleRun:
     listener_ms: int
     hold_ms: float
     due_ms: float  # a stream with less lead is stepped at once
-    start: str  # how a first audio starts (`stream_decoder.START_POLICIES`)
+    start: str  # how a first audio starts (`first_audio.START_POLICIES`)
     delivery_ms: float  # from the decoder to the listener
     pace: float  # generation speed, times real time
     frames: int  # per sentence
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="due leads to compare, ms (default: the gateway's DUE_LEAD_S)")
     parser.add_argument("--starts", type=lambda s: s.split(","), default=[START_POLICIES[0]],
                         help=f"how first audio starts, to compare: {','.join(START_POLICIES)} "
-                             "(`stream_decoder.START_POLICIES`)")
+                             "(`first_audio.START_POLICIES`)")
     parser.add_argument("--delivery-ms", type=float, default=0.0,
                         help="from the decoder to the listener, ms (0: in the same process, at once)")
     parser.add_argument("--snac", help="a SNAC 24 kHz checkpoint (default: a random-weight one, built here, on CPU)")

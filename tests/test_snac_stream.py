@@ -827,7 +827,7 @@ async def test_a_streams_pace_is_the_slower_of_its_own_and_every_streams(snac_mo
     start, but a bridge that need not wait is kept: it is first, and at such a pace its GPU time is to spare."""
     frames = make_frames(6, seed=32)
 
-    async def starts_exact(background: int, gap_s: float = 0.05) -> bool:
+    async def decided_exact(background: int, gap_s: float = 0.05) -> bool:
         decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=8))
         try:
             others = [decoder.open(lambda: 0.0, lookahead=1) for _ in range(background)]
@@ -847,9 +847,9 @@ async def test_a_streams_pace_is_the_slower_of_its_own_and_every_streams(snac_mo
         finally:
             decoder.close()
 
-    assert not await starts_exact(0)
-    assert await starts_exact(3)
-    assert not await starts_exact(0, gap_s=0.03)
+    assert not await decided_exact(0)
+    assert await decided_exact(3)
+    assert not await decided_exact(0, gap_s=0.03)
 
 
 async def test_a_sentence_takes_a_decoder_slot_only_once_it_has_frames(stream_decoder: StreamDecoder) -> None:

@@ -240,14 +240,18 @@ class HeadlessPeer:
     # --- audio ------------------------------------------------------------------------------------
     def _on_audio(self, mono: np.ndarray, rtp_timestamp: int | None) -> None:
         """A decoded 20 ms frame (`InLoopAudioDecoder`), as the jitter buffer released it."""
-        level = mono.astype(np.float32)
-        rms = float(np.sqrt(np.dot(level, level) / level.size)) if level.size else 0.0
-        self.frames.append(ReceivedFrame(time.monotonic(), mono.size, rms, rtp_timestamp))
+        self.frames.append(ReceivedFrame(time.monotonic(), mono.size, frame_rms(mono), rtp_timestamp))
         if self.keep_pcm:
             self.pcm.append(mono.copy())
 
     def audible_frames(self, since: float = 0.0, until: float = float("inf")) -> list[ReceivedFrame]:
         return [f for f in self.frames if f.audible and since <= f.at <= until]
+
+
+def frame_rms(mono: np.ndarray) -> float:
+    """The level of a decoded frame's samples (int16 scale; `SILENCE_RMS` and below is silence)."""
+    level = mono.astype(np.float32)
+    return float(np.sqrt(np.dot(level, level) / level.size)) if level.size else 0.0
 
 
 def set_receive_prefetch(receiver: RTCRtpReceiver, prefetch: int = RECEIVE_PREFETCH_PACKETS) -> None:

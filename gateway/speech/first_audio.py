@@ -68,7 +68,8 @@ def start_hold_s(received: int, interval_s: float, lead_s: float, handover_lead_
     return (last - received) * interval_s - (last - 2) * FRAME_S + need - lead_s
 
 
-def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> float:
+def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int,
+                       margin_s: float = EXACT_START_MARGIN_S) -> float:
     """How long after its latest frame a stream's first audio waits when it comes from the exact stream, with no
     bridge, so that at the generation pace it has shown (a frame every `interval_s`) its listener does not run dry
     (<= 0: no wait; the audio itself needs 3 frames). `delay_s`: the exact stream's delay with a tick's margin
@@ -76,12 +77,12 @@ def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s:
 
     With k frames in, the exact stream has handed out k frames less its delay; the listener must not have played
     that before frame k + 1 comes. The worst k is the first (3, the first audio's) when generation outruns real
-    time, and the last one looked at otherwise (the head's end, as `start_hold_s` looks); `EXACT_START_MARGIN_S`
-    more. At real-time pace the wait is 173 ms after the head's second frame against the held bridge's 218; at 1.2x
-    144 against 76."""
+    time, and the last one looked at otherwise (the head's end, as `start_hold_s` looks); `margin_s` more. At
+    real-time pace the wait is 173 ms after the head's second frame against the held bridge's 218; at 1.2x 144
+    against 76."""
     first = max(FIRST_EXACT_FRAMES, received)
     worst = max((k + 1 - received) * interval_s - k * FRAME_S for k in (first, max(first, head_frames)))
-    return worst + delay_s + EXACT_START_MARGIN_S - lead_s
+    return worst + delay_s + margin_s - lead_s
 
 
 def starts_exact(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> bool:
@@ -90,7 +91,7 @@ def starts_exact(received: int, interval_s: float, lead_s: float, delay_s: float
     exact stream, its margin aside, starts at most `EXACT_START_PREFERENCE_S` after it. Compared where each can
     start at the earliest: the exact stream at its third frame. Arguments as for `start_hold_s`."""
     bridged = start_hold_s(received, interval_s, lead_s, delay_s, head_frames)
-    exact = exact_start_hold_s(received, interval_s, lead_s, delay_s, head_frames) - EXACT_START_MARGIN_S
+    exact = exact_start_hold_s(received, interval_s, lead_s, delay_s, head_frames, margin_s=0.0)
     first_exact = max(0, FIRST_EXACT_FRAMES - received) * interval_s
     return bridged > 0 and max(exact, first_exact) <= bridged + EXACT_START_PREFERENCE_S
 
@@ -112,9 +113,8 @@ class GenerationPace:
 
     def seconds_per_frame(self, now: float) -> float:
         """The median interval of the window ending `now` (0: none in it)."""
-        if self._intervals and self._intervals[0][0] < now - self.window_s:
-            while self._intervals and self._intervals[0][0] < now - self.window_s:
-                self._intervals.popleft()
+        while self._intervals and self._intervals[0][0] < now - self.window_s:
+            self._intervals.popleft()
             self._median = None
         if self._median is None:
             self._median = statistics.median(i for _, i in self._intervals) if self._intervals else 0.0
