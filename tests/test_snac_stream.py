@@ -21,11 +21,13 @@ import torch
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
 from gateway.speech.first_audio import (
+    BRIDGE_PACE_FACTOR,
     EXACT_START_MARGIN_S,
     EXACT_START_PREFERENCE_S,
     FRAME_S,
     MAX_START_HOLD_S,
     GenerationPace,
+    bridged_start_hold_s,
     exact_start_hold_s,
     start_hold_s,
     starts_exact,
@@ -747,9 +749,9 @@ def test_a_slow_pace_starts_from_the_exact_stream_and_a_fast_one_from_the_bridge
         stream_decoder: StreamDecoder) -> None:
     """`exact_start_hold_s`: without a bridge there is no hand-over to build lead for, so at real-time pace the
     exact stream starts sooner than the held bridge (a frame's time less its margin: 173 against 218 ms); at 1.2x
-    it starts later, within `EXACT_START_PREFERENCE_S` (its margin aside), so it is still chosen; at 1.5x the bridge
-    needs no wait and the exact stream's third frame comes too late to be chosen. A buffer that covers the delay
-    needs no wait either."""
+    it starts later, within `EXACT_START_PREFERENCE_S` (its margin aside), so it is still chosen; at 2x the bridge
+    needs no wait, even at the pace its work leaves, and the exact stream's third frame comes too late to be chosen.
+    A buffer that covers the delay needs no wait either."""
     handover = stream_decoder.handover_lead_s
     head = stream_decoder.snac.HEAD_FRAMES
 
@@ -763,9 +765,25 @@ def test_a_slow_pace_starts_from_the_exact_stream_and_a_fast_one_from_the_bridge
     assert exact(1.0) < bridged(1.0) - 0.04
     assert bridged(1.2) < exact(1.2) <= bridged(1.2) + EXACT_START_PREFERENCE_S + EXACT_START_MARGIN_S
     assert starts_exact(2, FRAME_S / 1.2, 0.0, handover, head) and starts_exact(2, FRAME_S, 0.0, handover, head)
-    assert bridged(1.5) == 0.0 and not starts_exact(2, FRAME_S / 1.5, 0.0, handover, head)
+    assert bridged(2.0) == 0.0 and not starts_exact(2, FRAME_S / 2.0, 0.0, handover, head)
     assert exact(1.0, lead_s=0.5) <= 0.0
     assert exact(0.8) > exact(1.0)  # slower than real time: the head's end is the worst point
+
+
+def test_a_bridged_start_is_planned_at_the_pace_its_bridges_leave(stream_decoder: StreamDecoder) -> None:
+    """`BRIDGE_PACE_FACTOR`: a burst's bridges slow generation after the head (H200, 256 users: a first interval of
+    60 ms, then 83), so the bridge is weighed at 1.4x the measured interval. At 60 ms (1.4x real time) the held
+    bridge alone would start at once, and its listeners paused; weighed at 84 ms it must wait, and the exact stream
+    is chosen. At 40 ms (H200, 128 users; 2.1x) the bridge still needs no wait at the slower pace and starts at once.
+    The hold of a bridged start is the factored one."""
+    handover = stream_decoder.handover_lead_s
+    head = stream_decoder.snac.HEAD_FRAMES
+    assert start_hold_s(2, 0.060, 0.0, handover, head) <= 0.0
+    factored = start_hold_s(2, 0.060 * BRIDGE_PACE_FACTOR, 0.0, handover, head)
+    assert factored > 0.0 and bridged_start_hold_s(2, 0.060, 0.0, handover, head) == pytest.approx(factored)
+    assert starts_exact(2, 0.060, 0.0, handover, head)
+    assert bridged_start_hold_s(2, 0.040, 0.0, handover, head) <= 0.0
+    assert not starts_exact(2, 0.040, 0.0, handover, head)
 
 
 def test_the_generation_pace_is_the_median_frame_interval_of_its_window() -> None:
@@ -820,11 +838,11 @@ async def test_a_real_time_paced_stream_starts_from_the_exact_stream_held_and_ex
 
 
 async def test_a_streams_pace_is_the_slower_of_its_own_and_every_streams(snac_model: torch.nn.Module) -> None:
-    """A stream whose first two frames came 50 ms apart (1.7x: a bridge needs no wait, so it starts at once)
-    starts that way alone; among streams whose frames come at real-time pace it reads their pace, which calls for
-    the exact stream, held. (One stream's first interval is noisy; the engine steps all of them together.) At
-    30 ms (2.8x) the exact stream's third frame would come within `EXACT_START_PREFERENCE_S` of the bridge's
-    start, but a bridge that need not wait is kept: it is first, and at such a pace its GPU time is to spare."""
+    """A stream whose first two frames came 30 ms apart (2.8x: a bridge needs no wait, so it starts at once) starts
+    that way alone, though the exact stream's third frame would come within `EXACT_START_PREFERENCE_S` of it: a
+    bridge that need not wait is kept, it is first, and at such a pace its GPU time is to spare. Among streams
+    whose frames come at real-time pace it reads their pace, which calls for the exact stream, held. (One stream's
+    first interval is noisy; the engine steps all of them together.) Alone at 60 ms (1.4x) it starts exact."""
     frames = make_frames(6, seed=32)
 
     async def decided_exact(background: int, gap_s: float = 0.05) -> bool:
@@ -847,9 +865,9 @@ async def test_a_streams_pace_is_the_slower_of_its_own_and_every_streams(snac_mo
         finally:
             decoder.close()
 
-    assert not await decided_exact(0)
-    assert await decided_exact(3)
     assert not await decided_exact(0, gap_s=0.03)
+    assert await decided_exact(3, gap_s=0.03)
+    assert await decided_exact(0, gap_s=0.06)
 
 
 async def test_a_sentence_takes_a_decoder_slot_only_once_it_has_frames(stream_decoder: StreamDecoder) -> None:

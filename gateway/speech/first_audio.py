@@ -30,8 +30,9 @@ MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 47
 # (`starts_exact`; a bridge that needs no hold is always kept: it starts at once, and at such a pace its GPU time
 # is to spare): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's generation
 # pays for (H100, 256 users: frames 2-5 came 87-93 ms apart after a first interval of 65, then 65 again). 80 ms:
-# the exact start is chosen at paces up to ~1.33x real time (one frame every 64 ms), the bridge above. Measured
-# (engine level, 0 ms, one H100, same machine; docs/benchmarks.md 2026-12-05 night): with 80 ms and
+# with the bridge planned at the pace it leaves (`BRIDGE_PACE_FACTOR`), the exact start is chosen at measured
+# paces up to ~1.8x real time (one frame every 47 ms; at the measured pace itself it was ~1.33x), the bridge
+# above. Measured (engine level, 0 ms, one H100, same machine; docs/benchmarks.md 2026-12-05 night): with 80 ms and
 # `EXACT_START_MARGIN_S`, 124/209/384 of 128/256/384 kept real time; with 40 ms and no margin 105/40/27; the held
 # bridge alone 126/75/235.
 EXACT_START_PREFERENCE_S = 0.08
@@ -39,6 +40,14 @@ EXACT_START_PREFERENCE_S = 0.08
 # the head's (H100, 384 users: 84 ms, then 85-96), and without it most streams ran dry by a few ms at the 8th piece
 # (357 of 384 stalled, 1 ms median; with it none did).
 EXACT_START_MARGIN_S = 0.04
+# The pace a bridged start is planned at, in multiples of the one measured at its head: a burst's bridges (eager
+# decodes, 3 frames per frame) slow the whole batch's generation right after the head. Frames 2-5 came 1.35-1.45x
+# the first interval apart while bridges ran (H100 and H200, 128 and 256 users: 40 -> 54-59 ms, 60-69 -> 83-94),
+# 1.0-1.1x where the streams started exact (H100, 256: 68 -> 65-74). Planned at the measured pace, 256 listeners
+# without a buffer on an H200 (60 ms: no hold, bridge at once) all paused at their second or third piece (0 of 256
+# kept real time, bare vLLM 256). So a bridge is kept only while the measured pace is faster than ~1.8x real time
+# (a frame every 47 ms); slower, the exact start is chosen (`starts_exact`).
+BRIDGE_PACE_FACTOR = 1.4
 # The generation pace every stream shows (`GenerationPace`): frame intervals of the pushes in this last window. Long
 # enough for a few frames of each stream at a loaded pace, short enough that a burst's slow pace is forgotten
 # within a second of its end.
@@ -85,12 +94,20 @@ def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s:
     return worst + delay_s + margin_s - lead_s
 
 
+def bridged_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> float:
+    """`start_hold_s` at the pace the bridge's own work leaves (`BRIDGE_PACE_FACTOR` times the measured
+    `interval_s`): the hold of a bridged start where the exact start is the alternative. Arguments as for
+    `exact_start_hold_s`."""
+    return start_hold_s(received, interval_s * BRIDGE_PACE_FACTOR, lead_s, delay_s, head_frames)
+
+
 def starts_exact(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> bool:
     """Whether a stream's first audio should come from the exact stream rather than the bridge: only where the
-    bridge would wait too (a loaded pace; at a fast one it starts at once, and its GPU time is to spare), and the
-    exact stream, its margin aside, starts at most `EXACT_START_PREFERENCE_S` after it. Compared where each can
-    start at the earliest: the exact stream at its third frame. Arguments as for `start_hold_s`."""
-    bridged = start_hold_s(received, interval_s, lead_s, delay_s, head_frames)
+    bridge would wait too at the pace its work leaves (`bridged_start_hold_s`; at a fast pace it starts at once,
+    and its GPU time is to spare), and the exact stream, its margin aside, starts at most
+    `EXACT_START_PREFERENCE_S` after it. Compared where each can start at the earliest: the exact stream at its
+    third frame. Arguments as for `start_hold_s`."""
+    bridged = bridged_start_hold_s(received, interval_s, lead_s, delay_s, head_frames)
     exact = exact_start_hold_s(received, interval_s, lead_s, delay_s, head_frames, margin_s=0.0)
     first_exact = max(0, FIRST_EXACT_FRAMES - received) * interval_s
     return bridged > 0 and max(exact, first_exact) <= bridged + EXACT_START_PREFERENCE_S

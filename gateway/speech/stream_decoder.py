@@ -20,11 +20,13 @@ lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or s
 going to get there in time; then the exact stream takes over with a crossfade. Where the pace the first frames
 showed cannot get the lead there by the head's end, the first audio waits for the shortfall (`first_audio`'s
 `start_hold_s`): a listener without a buffer then hears no pause at the hand-over. Where the exact stream alone
-would start no more than 80 ms later than that held bridge (`first_audio.starts_exact`: at a pace up to ~1.33x real
-time, a loaded engine's), the first audio comes from the exact stream and nothing is bridged: no hand-over, and
-none of the bridge's 3 decoded frames per frame, which in a burst of 256 starts slowed every stream's generation
-(H100: 65 -> 93 ms a frame over the bridges' frames). Engine level, 0 ms listeners, one H100: 124/209/384 of
-128/256/384 kept real time, against 126/75/235 with the held bridge alone. The pace both read is the slower of the
+would start no more than 80 ms later than that held bridge (`first_audio.starts_exact`), the first audio comes
+from the exact stream and nothing is bridged: no hand-over, and none of the bridge's 3 decoded frames per frame,
+which in a burst of 256 starts slowed every stream's generation (H100: 65 -> 93 ms a frame over the bridges'
+frames). The bridged start is planned at the pace its bridges leave (`first_audio.BRIDGE_PACE_FACTOR`, 1.4x the
+measured interval), so the exact start is chosen at paces slower than ~1.8x real time. Engine level, 0 ms
+listeners, one H100: 124/209/384 of 128/256/384 kept real time with the exact start planned at the measured pace,
+against 126/75/235 with the held bridge alone. The pace both read is the slower of the
 stream's own and every stream's recent one (`first_audio.GenerationPace`). A stream whose listener
 buffers hands over at once (its lead counts the listener's jitter buffer: a WebRTC track's from the start, since
 a listener waiting for its buffer to fill cannot run dry, only start later).
@@ -60,6 +62,7 @@ from gateway.speech.first_audio import (
     MAX_START_HOLD_S,
     START_POLICIES,
     GenerationPace,
+    bridged_start_hold_s,
     exact_start_hold_s,
     start_hold_s,
     starts_exact,
@@ -358,8 +361,11 @@ class StreamDecoder:
             if stream.exact_start:
                 stream.bridging = False
                 self.stats.exact_starts += 1
-        hold = (exact_start_hold_s if stream.exact_start else start_hold_s)(
-            handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
+        if stream.exact_start:
+            hold_s = exact_start_hold_s
+        else:  # the held bridge alone (`bridge-held`) plans at the measured pace, as before the exact start
+            hold_s = bridged_start_hold_s if self.start == "exact-or-bridge" else start_hold_s
+        hold = hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
         at = min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S)
         stream.start_at = max(stream.start_at, at)
         return stream.start_at
