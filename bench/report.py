@@ -72,6 +72,12 @@ def _underruns(summary: dict[str, Any]) -> str:
     return MISSING if server is None else f"{server['underruns']} ({server['underrun_ms']} ms)"
 
 
+def _audio_per_stream(summary: dict[str, Any]) -> str:
+    """Mean audio seconds a stream got (~5.5 with the bench's phrases and budgets): a gateway that does not cap a
+    random-weight model's sentences (`--max-tokens-per-char`) shows 40 here, and its other columns mean nothing."""
+    return f"{summary['audio_s'] / summary['requests']:.1f}" if summary.get("requests") else MISSING
+
+
 def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]:
     """The table of each scenario: the seed's columns first, then the stall check."""
     n: Column = (axis, lambda s: str(s["users"]))
@@ -98,7 +104,8 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
     if scenario == STREAMING:
         realtime = [(f"real-time users @{b} ms", _realtime_users(b)) for b in buffers_ms]
         return [n, ("streams", lambda s: str(s["requests"])), ("success", _success),
-                ("max gap ms", _ms("max_gap_ms")), ("RTF max", _fixed(2, "stream_rtf", "max")),
+                ("audio s/stream", _audio_per_stream), ("max gap ms", _ms("max_gap_ms")),
+                ("RTF max", _fixed(2, "stream_rtf", "max")),
                 ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime, underruns, endings]
     raise ValueError(f"unknown scenario {scenario!r}")
 

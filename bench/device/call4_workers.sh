@@ -5,6 +5,8 @@
 # carry: .devcarry/snap, and .devcarry/gw2 + .devcarry/pool the first time (bench/device/README.md)
 # env: NAME (output folder), WORKERS (8), SERVE_ARGS (extra gateway flags), BENCH_ARGS (bench.run flags),
 #      READY_TIMEOUT (s, 300), BENCH_TIMEOUT (s, 420),
+#      TOKENS_PER_CHAR (the gateway's --max-tokens-per-char, 6: the random-weight model never stops by itself, and
+#      without a cap every sentence ran to --max-tokens, 30-40 s of audio: H200, 2026-12-05 late, 0 of 256 real time),
 #      MPS (non-empty: under an NVIDIA MPS daemon, bench/device/mps.sh),
 #      FAULT_ARGS (bench.faults flags: run the fault injection instead of bench.run, e.g. "--peers 256")
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree
@@ -25,7 +27,8 @@ fi
 GRAPHS=""; [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
 source bench/device/mps.sh; mps_start
 setsid python3 -m gateway serve --workers $WORKERS --host 127.0.0.1 --port $PORT --model /tmp/orpheus-struct \
-  --snac-model /tmp/orpheus-struct/snac --log-level warning $GRAPHS $SERVE_ARGS > $OUT/$NAME/serve.log 2>&1 &
+  --snac-model /tmp/orpheus-struct/snac --log-level warning --max-tokens-per-char ${TOKENS_PER_CHAR:-6} $GRAPHS \
+  $SERVE_ARGS > $OUT/$NAME/serve.log 2>&1 &
 SERVE_PID=$!
 python3 - $WORKERS ${READY_TIMEOUT:-300} $OUT/$NAME/serve.log <<'EOF'
 import asyncio, sys, time

@@ -97,7 +97,7 @@ def exact_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s:
 def bridged_start_hold_s(received: int, interval_s: float, lead_s: float, delay_s: float, head_frames: int) -> float:
     """`start_hold_s` at the pace the bridge's own work leaves (`BRIDGE_PACE_FACTOR` times the measured
     `interval_s`): the hold of a bridged start where the exact start is the alternative. Arguments as for
-    `exact_start_hold_s`."""
+    `start_hold_s`."""
     return start_hold_s(received, interval_s * BRIDGE_PACE_FACTOR, lead_s, delay_s, head_frames)
 
 
