@@ -87,6 +87,8 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
         assert set(request["playback"]) == {"0", "500"}
         if level in ("engine", "vllm"):
             assert 0 < request["ttft_ms"] <= request["ttfa_ms"]
+            # every user asks at the point's start: the time to first token counts the wait behind the others
+            assert request["index"] > 0 or request["sent_at_s"] == 0.0
             frames_at = request["frames_at_ms"]  # each of the first frames once, when it was whole
             assert len(frames_at) == min(START_FRAMES, request["tokens"] // 7)
             assert frames_at == sorted(frames_at) and frames_at[0] == request["ttff_ms"]
