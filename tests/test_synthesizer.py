@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -44,6 +45,40 @@ async def test_a_burst_of_seeded_requests_leaves_the_engine_running(synthesizer:
 
     counts = await asyncio.gather(*(generate(prompt, 100 + i) for i, prompt in enumerate(prompts)))
     assert all(count > 0 for count in counts) and engine.ready and engine.restarts == restarts
+
+
+async def test_a_bursts_first_request_reaches_the_engine_core_before_the_last_is_made(
+        synthesizer: Synthesizer) -> None:
+    """Each request goes to vLLM's engine core as it is made, not once the whole burst has been (a raw prompt went
+    through vLLM 0.32's renderer thread pool, so 256 prompts at once reached the core only after ~100 ms, all
+    together). Timed where `AsyncLLM` hands a request to its engine core client."""
+    engine = synthesizer.engine
+    core = engine._llm.engine_core  # type: ignore[union-attr]
+    handed: list[float] = []
+    made: list[float] = []
+    forward = core.add_request_async
+
+    async def timed(request: Any) -> None:
+        handed.append(asyncio.get_running_loop().time())
+        await forward(request)
+
+    prompt = build_prompt(synthesizer.tokenizer, "tara", "Hello there.")
+
+    async def first_ids() -> int:
+        made.append(asyncio.get_running_loop().time())
+        async with contextlib.aclosing(engine.generate(prompt, max_tokens=7, seed=1)) as outputs:
+            async for ids in outputs:
+                return len(ids)
+        return 0
+
+    core.add_request_async = timed
+    try:
+        counts = await asyncio.gather(*(first_ids() for _ in range(16)))
+    finally:
+        del core.add_request_async  # the instance attribute shadowed the client's own method
+    assert all(counts) and len(handed) == len(made) == 16
+    assert min(handed) < max(made)
+    await wait_until(lambda: engine.unfinished_requests() == 0, timeout=30)
 
 
 async def test_engine_emits_audio_tokens_in_slot_order(synthesizer: Synthesizer) -> None:
