@@ -8,7 +8,9 @@ the listener that much lead once, and at a loaded pace (1.0-1.3x real time) the 
 it: a listener without a buffer paused right after its first words. So the bridged start waits for the shortfall
 (`start_hold_s`, at most `MAX_START_HOLD_S` after the head). Or, where that wait is long, the first audio comes from
 the exact stream itself, with no bridge and no hand-over (`exact_start_hold_s`; chosen by `starts_exact`): sooner at
-real-time pace, and none of the bridge's work, which in a burst the whole batch's generation pays for.
+real-time pace, and none of the bridge's work, which in a burst the whole batch's generation pays for. That work
+slows the pace the hold was measured at, so the choice weighs the bridge at the slower pace (`BRIDGE_PACE_FACTOR`,
+`bridged_start_hold_s`).
 
 May import: `gateway.orpheus` (model facts).
 """

@@ -26,10 +26,10 @@ which in a burst of 256 starts slowed every stream's generation (H100: 65 -> 93 
 frames). The bridged start is planned at the pace its bridges leave (`first_audio.BRIDGE_PACE_FACTOR`, 1.4x the
 measured interval), so the exact start is chosen at paces slower than ~1.8x real time. Engine level, 0 ms
 listeners, one H100: 124/209/384 of 128/256/384 kept real time with the exact start planned at the measured pace,
-against 126/75/235 with the held bridge alone. The pace both read is the slower of the
-stream's own and every stream's recent one (`first_audio.GenerationPace`). A stream whose listener
-buffers hands over at once (its lead counts the listener's jitter buffer: a WebRTC track's from the start, since
-a listener waiting for its buffer to fill cannot run dry, only start later).
+against 126/75/235 with the held bridge alone. The pace both read is the slower of the stream's own and every
+stream's recent one (`first_audio.GenerationPace`). A stream whose listener buffers hands over at once (its lead
+counts the listener's jitter buffer: a WebRTC track's from the start, since a listener waiting for its buffer to
+fill cannot run dry, only start later).
 
 The event loop only enqueues commands and awaits chunks; nothing here blocks it. Opening a stream enqueues nothing:
 its open goes to the worker with its first push or finish. Each command that finds the worker asleep wakes it,
