@@ -52,6 +52,7 @@ class RequestRecord:
     playback: dict[str, dict[str, Any]] = field(default_factory=dict)  # by client buffer (ms)
     server: dict[str, Any] | None = None  # WebRTC: the server's `started`/`done` figures
     endings: int | None = None  # WebRTC: terminal events received for it (exactly one is right)
+    delivery_jitter_ms: float | None = None  # WebRTC: how far frame arrivals strayed from the sender's RTP clock
     arrivals: list[tuple[float, float]] | None = None  # kept only with --keep-arrivals (ms, ms)
     frames_at_ms: list[float] | None = None  # engine levels, with --keep-arrivals: the first frames' arrival
 
@@ -129,6 +130,7 @@ def summarize(records: Sequence[RequestRecord], users: int, buffers_ms: Sequence
         "generated_ms": describe([r.generated_ms for r in ok if r.generated_ms is not None]),
         "stream_rtf": describe([r.rtf for r in ok if r.rtf is not None]),
         "max_gap_ms": max((r.max_gap_ms for r in ok if r.max_gap_ms is not None), default=None),
+        "delivery_jitter_ms": describe([r.delivery_jitter_ms for r in ok if r.delivery_jitter_ms is not None]),
         "playback": {str(b): _playback_summary(records, str(b)) for b in buffers_ms},
         "errors": sorted({r.error for r in records if r.error}),
     }

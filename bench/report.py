@@ -106,7 +106,8 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
         return [n, ("streams", lambda s: str(s["requests"])), ("success", _success),
                 ("audio s/stream", _audio_per_stream), ("max gap ms", _ms("max_gap_ms")),
                 ("RTF max", _fixed(2, "stream_rtf", "max")),
-                ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime, underruns, endings]
+                ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime, underruns,
+                ("delivery jitter p95 ms", _ms("delivery_jitter_ms", "p95")), endings]
     raise ValueError(f"unknown scenario {scenario!r}")
 
 

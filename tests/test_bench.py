@@ -17,7 +17,7 @@ from bench.report import markdown_table
 from bench.run import run_scenarios
 from bench.settings import parse_options
 from bench.timing import describe, simulate_playback, token_budget
-from bench.webrtc_level import audio_frames
+from bench.webrtc_level import RTP_CLOCK_HZ, audio_frames, delivery_jitter_ms
 from gateway.config import GatewayConfig
 from gateway.devtools.client import ReceivedFrame
 from gateway.speech.synthesizer import Synthesizer
@@ -60,6 +60,23 @@ def test_audio_frames_undo_opus_spill_and_tail() -> None:
     assert len(audio_frames(frames)) == 8
 
 
+def test_delivery_jitter_is_the_spread_of_arrivals_against_the_rtp_clock() -> None:
+    """Frames on the sender's clock have none, whatever the constant delay and across the RTP timestamp's wrap; one
+    frame 30 ms late, then the rest on time again, has 30 ms; frames without a timestamp do not count."""
+    step = RTP_CLOCK_HZ // 50  # a 20 ms frame
+
+    def frames(start: int, late_s: dict[int, float]) -> list[ReceivedFrame]:
+        return [ReceivedFrame(at=5.0 + i * 0.02 + late_s.get(i, 0.0), samples=960, rms=LOUD,
+                              rtp_timestamp=(start + i * step) % 2 ** 32) for i in range(20)]
+
+    assert delivery_jitter_ms(frames(1000, {})) == pytest.approx(0.0, abs=1e-6)
+    assert delivery_jitter_ms(frames(2 ** 32 - 3 * step, {})) == pytest.approx(0.0, abs=1e-6)
+    assert delivery_jitter_ms(frames(1000, {7: 0.03})) == pytest.approx(30.0)
+    unstamped = [ReceivedFrame(at=i * 0.5, samples=960, rms=LOUD) for i in range(5)]
+    assert delivery_jitter_ms(unstamped) is None
+    assert delivery_jitter_ms(frames(1000, {})[:1]) is None
+
+
 def test_table_leaves_out_empty_columns() -> None:
     summary: dict[str, Any] = {"users": 2, "requests": 2, "success_rate": 1.0, "ttfa_ms": {"min": 5.0},
                                "ttft_ms": {}, "ttff_ms": {}, "playback": {}}
@@ -97,6 +114,7 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
             assert request["server"]["audio_ms"] > 0 and request["server"]["underruns"] is not None
             server = request["server"]
             assert 0 < server["ttft_ms"] <= server["ttfw_ms"] <= server["ttfa_ms"], server
+            assert request["delivery_jitter_ms"] >= 0  # every frame carried its RTP timestamp
     assert point["pipeline"]["wall_s"] > 0
     if level == "engine":  # the decoder's time in bridge decodes, beside its steps', its exact starts, its wake-ups
         snac = point["pipeline"]["snac"]
