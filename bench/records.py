@@ -166,6 +166,10 @@ def _server_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "underruns": sum(s.get("underruns", 0) for s in servers),
         "underrun_ms": sum(s.get("underrun_ms", 0) for s in servers),
         "streams_with_underruns": sum(1 for s in servers if s.get("underruns", 0) > 0),
+        # frames the server's playout handed over > 10 ms after their slot: its share of the delivery jitter
+        "late_frames": sum(s.get("late_frames") or 0 for s in servers),
+        "streams_with_late_frames": sum(1 for s in servers if (s.get("late_frames") or 0) > 0),
+        "max_late_ms": max((s["max_late_ms"] for s in servers if s.get("max_late_ms") is not None), default=None),
         "underruns_where": underruns_where(servers),
     }
 

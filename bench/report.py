@@ -72,6 +72,14 @@ def _underruns(summary: dict[str, Any]) -> str:
     return MISSING if server is None else f"{server['underruns']} ({server['underrun_ms']} ms)"
 
 
+def _late_frames(summary: dict[str, Any]) -> str:
+    """Audio frames the server handed to its sender over 10 ms late (all streams), and the latest, ms."""
+    server = summary.get("server")
+    if server is None or server.get("late_frames") is None:
+        return MISSING
+    return f"{server['late_frames']} ({_num(server.get('max_late_ms'), 0)} ms)"
+
+
 def _audio_per_stream(summary: dict[str, Any]) -> str:
     """Mean audio seconds a stream got (~5.5 with the bench's phrases and budgets): a gateway that does not cap a
     random-weight model's sentences (`--max-tokens-per-char`) shows 40 here, and its other columns mean nothing."""
@@ -107,7 +115,8 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
                 ("audio s/stream", _audio_per_stream), ("max gap ms", _ms("max_gap_ms")),
                 ("RTF max", _fixed(2, "stream_rtf", "max")),
                 ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime, underruns,
-                ("delivery jitter p95 ms", _ms("delivery_jitter_ms", "p95")), endings]
+                ("server late frames", _late_frames), ("delivery jitter p95 ms", _ms("delivery_jitter_ms", "p95")),
+                endings]
     raise ValueError(f"unknown scenario {scenario!r}")
 
 

@@ -212,13 +212,14 @@ async def _wait_outcome(peer: HeadlessPeer, uid: str, timeout_s: float) -> Recei
 
 
 def _server_figures(peer: HeadlessPeer, uid: str) -> dict[str, Any]:
-    """What the server reported: first token, first decode window and first audio (`started`), audio and
-    underruns (`done`)."""
+    """What the server reported: first token, first decode window and first audio (`started`), audio, underruns
+    and the audio frames it handed to its sender late (`done`)."""
     started = peer.find("started", uid)
     done = peer.find("done", uid)
     figures: dict[str, Any] = {key: started[0].message.get(key) if started else None
                                for key in ("ttft_ms", "ttfw_ms", "ttfa_ms")}
     if done:
         message = done[0].message
-        figures.update({key: message.get(key) for key in ("audio_ms", "underruns", "underrun_ms", "underrun_at_ms")})
+        figures.update({key: message.get(key) for key in ("audio_ms", "underruns", "underrun_ms", "underrun_at_ms",
+                                                           "late_frames", "max_late_ms")})
     return figures

@@ -115,6 +115,7 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
             server = request["server"]
             assert 0 < server["ttft_ms"] <= server["ttfw_ms"] <= server["ttfa_ms"], server
             assert request["delivery_jitter_ms"] >= 0  # every frame carried its RTP timestamp
+            assert server["late_frames"] >= 0 and server["max_late_ms"] >= 0
     assert point["pipeline"]["wall_s"] > 0
     if level == "engine":  # the decoder's time in bridge decodes, beside its steps', its exact starts, its wake-ups
         snac = point["pipeline"]["snac"]

@@ -18,6 +18,7 @@ from gateway.config import JITTER_BUFFER_MAX_MS
 from gateway.media.playout import (
     FRAME_MS,
     FRAME_SAMPLES,
+    FRAME_SECONDS,
     SAMPLE_RATE_IN,
     SAMPLE_RATE_OUT,
     PlayoutEvent,
@@ -145,6 +146,30 @@ async def test_reanchors_after_a_stall_instead_of_bursting() -> None:
     assert t1 - t0 < 0.010
     assert track.stats().reanchors == 1
     assert t3 - t1 >= 0.035  # two more full periods, not a backlog burst
+
+
+@pytest.mark.asyncio
+async def test_audio_frames_handed_over_after_their_slot_are_counted_per_utterance() -> None:
+    """On the track's own clock: a frame handed to the sender 30 ms after its slot counts as late, one 5 ms after
+    does not (below half a frame), silence does not count; the utterance's `finished` event carries both."""
+    now = [100.0]
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append, clock=lambda: now[0])
+    await track.recv()  # anchors the clock on a silent frame
+    now[0] += FRAME_SECONDS + 0.05  # a late silent frame: not counted
+    await track.recv()
+    track.begin_utterance("u", 0)
+    track.push_pcm("u", ms_of_pcm(100))
+    track.end_utterance("u")
+    lateness = {2: 0.03, 3: 0.005}  # by the frame's index in the track
+    frame = 2
+    while not any(e.kind is PlayoutEventKind.FINISHED for e in events):
+        now[0] = 100.0 + frame * FRAME_SECONDS + lateness.get(frame, 0.0)
+        await track.recv()
+        frame += 1
+    finished = events[-1]
+    assert finished.kind is PlayoutEventKind.FINISHED and finished.audio_ms == 100
+    assert finished.late_frames == 1 and finished.max_late_ms == pytest.approx(30.0)
 
 
 @pytest.mark.asyncio

@@ -84,6 +84,10 @@ MIN_JITTER_BUFFER_MS = 0
 # p95 29-207 ms) play audio slower than real time. Later than this, the loop
 # really stalled: re-anchor instead of bursting out the whole backlog.
 REANCHOR_LATENESS_S = 10 * FRAME_SECONDS
+# An audio frame handed to the sender this much after its slot counts as sent late (`late_frames`): the server's
+# share of the delivery lateness a listener's jitter buffer must absorb (H100, 2026-12-06: 0 ms peers counted
+# stalls of 11-35 ms at the client with no underrun). Half a frame, as the bench's stall tolerance.
+LATE_FRAME_S = FRAME_SECONDS / 2
 
 # Log the first few internal errors with a traceback; after that only count
 # them, so a persistent bug cannot flood the log at 50 lines/s per track.
@@ -113,7 +117,8 @@ class PlayoutEvent:
     recv that returned the frame; ``pts`` is that frame's pts (48 kHz samples
     since the track's first frame: where the event sits in the RTP stream).
     ``label``/``data`` are set for markers; ``audio_ms``/``underruns``/
-    ``underrun_ms``/``underrun_at_ms`` for ``finished``.
+    ``underrun_ms``/``underrun_at_ms``/``late_frames``/``max_late_ms`` for
+    ``finished``.
     """
 
     kind: PlayoutEventKind
@@ -125,6 +130,8 @@ class PlayoutEvent:
     underruns: int = 0
     underrun_ms: int = 0
     underrun_at_ms: tuple[int, ...] = ()
+    late_frames: int = 0  # audio frames handed to the sender more than LATE_FRAME_S after their slot
+    max_late_ms: float = 0.0  # the latest of its audio frames, after its slot
     pts: int = 0
 
 
@@ -163,6 +170,8 @@ class _Utterance:
     # Audio played (frames) when each underrun began, the first MAX_UNDERRUNS_LISTED: whether a stream runs dry at
     # its start, between sentences or waiting for its end tells which part of synthesis was late.
     underrun_at: list[int] = field(default_factory=list)
+    late_frames: int = 0
+    max_late_s: float = 0.0
 
 
 class PlayoutTrack(MediaStreamTrack):
@@ -200,6 +209,7 @@ class PlayoutTrack(MediaStreamTrack):
         self._by_id: dict[str, _Utterance] = {}
         self._pending_events: list[PlayoutEvent] = []
         self._event_time = 0.0  # clock at the current recv, shared by its events
+        self._slot_lateness = 0.0  # how long after its slot the current recv's frame is handed over
         # Set by clear() when the playing utterance is dropped: the next frame
         # must be silence even if another utterance is ready.
         self._force_silence = False
@@ -396,7 +406,7 @@ class PlayoutTrack(MediaStreamTrack):
         if self.readyState != "live":
             raise MediaStreamError
         if self._pace:
-            await self._wait_for_slot()
+            self._slot_lateness = await self._wait_for_slot()
             # stop() may have been called while we slept.
             if self.readyState != "live":
                 raise MediaStreamError
@@ -431,22 +441,25 @@ class PlayoutTrack(MediaStreamTrack):
 
     # -------------------------------------------------------------- internals
 
-    async def _wait_for_slot(self) -> None:
+    async def _wait_for_slot(self) -> float:
+        """Sleep until this frame's slot; returns how late after it the frame is handed over (>= 0 s)."""
         now = self._clock()
         if self._anchor_time is None:
             self._anchor_time = now
             self._anchor_frame = self._frames_sent
-            return
+            return 0.0
         due = self._anchor_time + (self._frames_sent - self._anchor_frame) * FRAME_SECONDS
         delay = due - now
         if delay > 0:
             await asyncio.sleep(delay)
-        elif -delay > REANCHOR_LATENESS_S:
+            return max(0.0, self._clock() - due)  # the loop may wake us late
+        if -delay > REANCHOR_LATENESS_S:
             # The loop (or the consumer) stalled: sending the backlog quickly
             # would only overflow the receiver's jitter buffer.
             self._anchor_time = now
             self._anchor_frame = self._frames_sent
             self._reanchors += 1
+        return -delay
 
     def _make_frame(self, payload: _FramePayload) -> av.AudioFrame:
         frame = av.AudioFrame(format=SAMPLE_FORMAT, layout=CHANNEL_LAYOUT, samples=FRAME_SAMPLES)
@@ -479,6 +492,9 @@ class PlayoutTrack(MediaStreamTrack):
                 index = utt.frames_played
                 utt.frames_played += 1
                 utt.in_underrun = False
+                if self._slot_lateness > LATE_FRAME_S:
+                    utt.late_frames += 1
+                utt.max_late_s = max(utt.max_late_s, self._slot_lateness)
                 markers = utt.markers
                 while markers and markers[0][0] <= index:
                     self._queue_marker(utt, markers.popleft())
@@ -530,6 +546,8 @@ class PlayoutTrack(MediaStreamTrack):
                 underruns=utt.underruns,
                 underrun_ms=utt.underrun_frames * FRAME_MS,
                 underrun_at_ms=tuple(frames * FRAME_MS for frames in utt.underrun_at),
+                late_frames=utt.late_frames,
+                max_late_ms=round(utt.max_late_s * MS_PER_SECOND, 1),
                 pts=self._frames_sent * FRAME_SAMPLES,
             )
         )

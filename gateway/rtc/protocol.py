@@ -176,6 +176,8 @@ class Done(Event, tag="done"):
     underruns: int
     underrun_ms: float
     underrun_at_ms: list[float] = []  # audio played when each gap inside the audio began (the first 16)
+    late_frames: int = 0  # audio frames the server handed to its sender over 10 ms after their 20 ms slot
+    max_late_ms: float = 0.0  # the latest of them (what the server adds to delivery jitter)
     played_ms: float = 0.0
     heard_text: str = ""
     last_word: int = -1

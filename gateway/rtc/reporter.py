@@ -41,7 +41,7 @@ class PlayoutReporter:
             heard = self.lesson.finished(event.utterance_id, event.audio_ms)  # sends the timings still due first
             self.send(protocol.Done(id=event.utterance_id, audio_ms=event.audio_ms, underruns=event.underruns,
                                     underrun_ms=event.underrun_ms, underrun_at_ms=list(event.underrun_at_ms),
-                                    **heard))
+                                    late_frames=event.late_frames, max_late_ms=event.max_late_ms, **heard))
 
     def _started(self, event: PlayoutEvent, utterance: Utterance | None) -> protocol.Started:
         rtp_timestamp = self.lesson.started(event.utterance_id, event.pts)
