@@ -364,3 +364,4 @@ async def test_metrics_count_sessions_and_utterances(base_url: str) -> None:
     assert "orpheus_sessions_active" in text
     assert 'orpheus_utterances_total{outcome="done"}' in text
     assert 'orpheus_time_to_first_audio_seconds_count{path="webrtc"}' in text
+    assert "orpheus_playout_late_frames_total" in text  # the server's share of delivery jitter

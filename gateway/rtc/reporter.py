@@ -38,6 +38,7 @@ class PlayoutReporter:
             self.metrics.utterances_total.labels("done").inc()
             self.metrics.underruns_total.inc(event.underruns)
             self.metrics.underrun_seconds_total.inc(event.underrun_ms / 1000)
+            self.metrics.late_frames_total.inc(event.late_frames)
             heard = self.lesson.finished(event.utterance_id, event.audio_ms)  # sends the timings still due first
             self.send(protocol.Done(id=event.utterance_id, audio_ms=event.audio_ms, underruns=event.underruns,
                                     underrun_ms=event.underrun_ms, underrun_at_ms=list(event.underrun_at_ms),

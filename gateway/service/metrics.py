@@ -72,6 +72,11 @@ class Metrics:
                                        registry=r)
         self.underrun_seconds_total = Counter("orpheus_underrun_seconds_total",
                                               "Silence inserted mid-utterance by underruns.", registry=r)
+        # The server's share of delivery jitter: audio frames its playout handed to the sender over 10 ms after
+        # their 20 ms slot (a busy event loop), which listeners' jitter buffers must absorb.
+        self.late_frames_total = Counter("orpheus_playout_late_frames_total",
+                                         "Audio frames handed to the sender over 10 ms after their slot.",
+                                         registry=r)
         self.queue_depth = Gauge("orpheus_queued_utterances", "Utterances waiting in session queues.",
                                  registry=r)
         self.engine_in_flight = Gauge("orpheus_engine_requests_in_flight", "Engine requests running.",
