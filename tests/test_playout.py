@@ -173,6 +173,41 @@ async def test_audio_frames_handed_over_after_their_slot_are_counted_per_utteran
 
 
 @pytest.mark.asyncio
+async def test_an_utterance_ready_while_the_track_idles_goes_out_without_waiting_for_its_slot() -> None:
+    """The track idles (silence out) and recv sleeps until its next slot: an utterance that becomes ready then
+    (jitter 0: a whole frame) is returned at once, and the frames after it keep 20 ms from there. One still
+    filling its jitter buffer does not cut the sleep short, nor does audio for an utterance already playing."""
+    events: list[PlayoutEvent] = []
+    track = PlayoutTrack(events.append)
+    await track.recv()
+    await track.recv()  # anchored, idle
+    buffered = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0)  # recv sleeps until its slot
+    track.begin_utterance("b", 100)
+    track.push_pcm("b", ms_of_pcm(40))  # 40 of its 100 ms: not ready
+    assert is_silent(await buffered) and track.stats().early_starts == 0
+    track.clear("b")
+    await track.recv()  # the barge-in's silent frame
+
+    pending = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0)
+    track.begin_utterance("u", 0)
+    pushed_at = time.monotonic()
+    track.push_pcm("u", ms_of_pcm(200))
+    first = await pending
+    woke_after = time.monotonic() - pushed_at
+    assert not is_silent(first) and track.stats().early_starts == 1
+    assert woke_after < 0.5 * FRAME_SECONDS, woke_after  # not the slot's 20 ms
+    track.push_pcm("u", ms_of_pcm(40))  # more audio for the playing utterance: paced as before
+    stamps = []
+    for _ in range(4):
+        assert not is_silent(await track.recv())
+        stamps.append(time.monotonic())
+    assert track.stats().early_starts == 1
+    assert 0.05 <= stamps[-1] - pushed_at <= 0.1  # 4 more frames, 20 ms apart from the early one
+
+
+@pytest.mark.asyncio
 async def test_clear_while_recv_sleeps_silences_that_frame() -> None:
     track = PlayoutTrack()
     track.begin_utterance("u", 0)

@@ -15,6 +15,10 @@ frame is ready again (no re-buffering, which would only lengthen the gap).
 Running dry after the last whole frame while the end has not arrived yet is
 silence sent but, once the end comes, not an underrun: only the flushed
 remainder (< 1 frame) follows it, and the listener heard the utterance out.
+An utterance that becomes ready to start while the track idles (its previous
+frame was silence) does not wait for the next 20 ms slot: the sleeping ``recv``
+returns its first frame at once and the clock is kept from there (TTFA 0-20 ms
+sooner, 10 on average; the receiver sees one packet early).
 The start threshold counts pushed (input) audio, so the resampler's ~0.7 ms
 filter delay never holds back the start.
 
@@ -142,6 +146,7 @@ class PlayoutStats:
     underruns: int
     underrun_ms: int
     reanchors: int
+    early_starts: int  # utterances whose first frame went out before its slot (the track idled)
     queued_ms: int
     queued_utterances: int
     errors: int
@@ -172,6 +177,19 @@ class _Utterance:
     underrun_at: list[int] = field(default_factory=list)
     late_frames: int = 0
     max_late_s: float = 0.0
+
+
+def _startable(utt: _Utterance) -> bool:
+    """An unstarted utterance may start: a whole frame is queued and its jitter buffer is full (or it has ended),
+    or it ended with no audio at all (it finishes at once)."""
+    if utt.frames:
+        return utt.ended or utt.in_samples >= utt.start_threshold_in
+    return utt.ended
+
+
+def _resolve(waiter: asyncio.Future[bool], value: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(value)
 
 
 class PlayoutTrack(MediaStreamTrack):
@@ -210,6 +228,10 @@ class PlayoutTrack(MediaStreamTrack):
         self._pending_events: list[PlayoutEvent] = []
         self._event_time = 0.0  # clock at the current recv, shared by its events
         self._slot_lateness = 0.0  # how long after its slot the current recv's frame is handed over
+        # The sleeping recv's wake-up (`_sleep_until_slot`), and whether the frame before it was silence: an
+        # utterance that becomes ready while the track idles resolves it early (`_start_early`).
+        self._slot_waiter: asyncio.Future[bool] | None = None
+        self._last_silent = True
         # Set by clear() when the playing utterance is dropped: the next frame
         # must be silence even if another utterance is ready.
         self._force_silence = False
@@ -223,6 +245,7 @@ class PlayoutTrack(MediaStreamTrack):
         self._underruns = 0
         self._underrun_frames = 0
         self._reanchors = 0
+        self._early_starts = 0
         self._queued_frames = 0
         self._errors = 0
         self._callback_errors = 0
@@ -283,6 +306,7 @@ class PlayoutTrack(MediaStreamTrack):
         utt.in_samples += pcm.size
         for out in utt.resampler.resample(frame):
             self._append_resampled(utt, out.to_ndarray().reshape(-1))
+        self._start_early(utt)
         return True
 
     def mark(self, utterance_id: str, label: str, data: Any = None) -> bool:
@@ -326,6 +350,7 @@ class PlayoutTrack(MediaStreamTrack):
         if waited_for_the_end:
             self._uncount_underrun(utt)
         utt.ended = True
+        self._start_early(utt)
         return True
 
     def clear(self, utterance_id: str | None = None) -> list[str]:
@@ -394,6 +419,7 @@ class PlayoutTrack(MediaStreamTrack):
             underruns=self._underruns,
             underrun_ms=self._underrun_frames * FRAME_MS,
             reanchors=self._reanchors,
+            early_starts=self._early_starts,
             queued_ms=self._queued_frames * FRAME_MS,
             queued_utterances=len(self._queue),
             errors=self._errors,
@@ -419,6 +445,7 @@ class PlayoutTrack(MediaStreamTrack):
         except Exception:
             self._count_error("choosing the next frame")
             payload = _SILENCE
+        self._last_silent = payload is _SILENCE
         if payload is _SILENCE:
             self._silence_frames += 1
         try:
@@ -451,7 +478,11 @@ class PlayoutTrack(MediaStreamTrack):
         due = self._anchor_time + (self._frames_sent - self._anchor_frame) * FRAME_SECONDS
         delay = due - now
         if delay > 0:
-            await asyncio.sleep(delay)
+            if await self._sleep_until_slot(delay):  # an utterance is ready while the track idles: it goes now
+                self._anchor_time = self._clock()
+                self._anchor_frame = self._frames_sent
+                self._early_starts += 1
+                return 0.0
             return max(0.0, self._clock() - due)  # the loop may wake us late
         if -delay > REANCHOR_LATENESS_S:
             # The loop (or the consumer) stalled: sending the backlog quickly
@@ -460,6 +491,27 @@ class PlayoutTrack(MediaStreamTrack):
             self._anchor_frame = self._frames_sent
             self._reanchors += 1
         return -delay
+
+    async def _sleep_until_slot(self, delay: float) -> bool:
+        """`asyncio.sleep(delay)` (the same future and timer), cut short by `_start_early`: True if it was."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        timer = loop.call_later(delay, _resolve, waiter, False)
+        self._slot_waiter = waiter
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._slot_waiter = None
+
+    def _start_early(self, utt: _Utterance) -> None:
+        """`utt` got audio or its end: if it is next to play, can start, and the track idles (silence went out
+        last, and no barge-in silence is due), wake the recv sleeping until its slot so its first frame goes now."""
+        waiter = self._slot_waiter
+        if waiter is None or waiter.done() or not self._last_silent or self._force_silence:
+            return
+        if self._queue and self._queue[0] is utt and not utt.started and _startable(utt):
+            waiter.set_result(True)
 
     def _make_frame(self, payload: _FramePayload) -> av.AudioFrame:
         frame = av.AudioFrame(format=SAMPLE_FORMAT, layout=CHANNEL_LAYOUT, samples=FRAME_SAMPLES)
@@ -479,11 +531,8 @@ class PlayoutTrack(MediaStreamTrack):
         while queue:
             utt = queue[0]
             if not utt.started:
-                if utt.frames:
-                    if not utt.ended and utt.in_samples < utt.start_threshold_in:
-                        return _SILENCE  # pre-roll: still filling the buffer
-                elif not utt.ended:
-                    return _SILENCE  # nothing yet (jitter 0 waits for 1 frame)
+                if not _startable(utt):
+                    return _SILENCE  # pre-roll: still filling the buffer (jitter 0 waits for 1 frame)
                 utt.started = True
                 self._queue_event(PlayoutEventKind.STARTED, utt)
             if utt.frames:
