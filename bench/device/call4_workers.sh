@@ -3,13 +3,14 @@
 # layout, `serve --workers W` with its own `vllm serve`, measured by `bench.run --gateway-url` from K client
 # processes on the same host.
 # carry: .devcarry/snap, and .devcarry/gw2 + .devcarry/pool the first time (bench/device/README.md)
-# env: NAME (output folder), WORKERS (8), SERVE_ARGS (extra gateway flags), BENCH_ARGS (bench.run flags),
+# env: NAME (output folder), SNAP (snap: the .devcarry tree to run), WORKERS (8), SERVE_ARGS (extra gateway flags), BENCH_ARGS (bench.run flags),
 #      READY_TIMEOUT (s, 300), BENCH_TIMEOUT (s, 420),
 #      TOKENS_PER_CHAR (the gateway's --max-tokens-per-char, 6: the random-weight model never stops by itself, and
 #      without a cap every sentence ran to --max-tokens, 30-40 s of audio: H200, 2026-12-05 late, 0 of 256 real time),
 #      MPS (non-empty: under an NVIDIA MPS daemon, bench/device/mps.sh),
 #      FAULT_ARGS (bench.faults flags: run the fault injection instead of bench.run, e.g. "--peers 256")
-REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree
+REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}  # SNAP: a committed tree (git archive), or another
+[ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP  # commit's beside it for an A/B in one lease
 cd $SRC
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-workers}; WORKERS=${WORKERS:-8}; mkdir -p $OUT/$NAME
 [ -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ] || { echo "vLLM part B missing: run calls 1 and 2 first"; exit 3; }
