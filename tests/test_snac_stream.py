@@ -25,10 +25,13 @@ from gateway.speech.first_audio import (
     EXACT_START_MARGIN_S,
     EXACT_START_PREFERENCE_S,
     FRAME_S,
+    LONE_FAST_START_S,
     MAX_START_HOLD_S,
     GenerationPace,
     bridged_start_hold_s,
     exact_start_hold_s,
+    fast_start_in_time,
+    fast_start_margin_s,
     start_hold_s,
     starts_exact,
 )
@@ -948,3 +951,20 @@ def test_position_noise() -> None:
     assert float(torch.corrcoef(torch.stack([noise[0, 1:], noise[0, :-1]]))[0, 1]) < 0.02  # white
     assert torch.equal(position_noise(seeds, 0, pos[:, 1000:1500]), noise[:, 1000:1500])  # a function of position
     assert not torch.equal(position_noise(seeds, 1, pos[:, :100]), noise[:, :100])  # layers differ
+
+
+def test_a_sentence_starting_alone_takes_the_fast_start_at_a_slower_token_rate_than_one_in_a_burst() -> None:
+    """An H100 at one stream (a token every 4 ms): the first frame's 7 tokens are in after 24 ms, and frames 2 and 3
+    need 14 more, 56 ms. Alone the margin is 70 ms, so it starts fast; beside a burst (45 ms) it waits for its
+    lookahead, as an H200 at 3.2 ms a token just does not (44.8 ms). 0 turns the fast start off either way."""
+    needed = 3 * 7
+    assert fast_start_margin_s(0.045, others_starting=0) == LONE_FAST_START_S == 0.07
+    assert fast_start_margin_s(0.045, others_starting=63) == 0.045
+    assert fast_start_margin_s(0.1, others_starting=0) == 0.1  # a larger configured margin is kept
+    assert fast_start_margin_s(0.0, others_starting=0) == 0.0
+    assert fast_start_in_time(7, 0.024, needed, fast_start_margin_s(0.045, 0))
+    assert not fast_start_in_time(7, 0.024, needed, fast_start_margin_s(0.045, 1))
+    assert fast_start_in_time(7, 6 * 0.0032, needed, 0.045)
+    assert not fast_start_in_time(7, 0.024, needed, 0.0)
+    assert not fast_start_in_time(1, 0.0, needed, 1.0)  # one token says nothing about the rate
+

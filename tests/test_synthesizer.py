@@ -192,6 +192,22 @@ async def test_first_audio_skips_its_lookahead_only_when_the_next_frames_come_in
     assert stats.samples == stats.frames * SAMPLES_PER_FRAME == sum(len(p) for p in pcm)
 
 
+async def test_a_sentence_starting_alone_gets_the_wider_fast_start_margin(synthesizer: Synthesizer) -> None:
+    """The fast start's margin depends on the sentences that got their first tokens within 0.2 s of this one's:
+    alone, 70 ms (an H100's 4 ms a token: frames 2 and 3 in 56 ms, a fast start); with one more beside it, before
+    or after, the configured 45 ms (no fast start); one that started long before does not count."""
+    config = dataclasses.replace(synthesizer.config, decode_fast_start_ms=45.0)
+    synth = Synthesizer(config, synthesizer.engine, synthesizer.tokenizer, synthesizer.decoder)
+    t0 = 1000.0
+    synth._first_tokens.extend([t0 - 5.0, t0])  # an old start, then this sentence's first token
+    assert synth._next_frames_in_time(7, t0, t0 + 0.024)
+    synth._first_tokens.append(t0 + 0.01)  # another sentence's first token, just after
+    assert not synth._next_frames_in_time(7, t0, t0 + 0.024)
+    synth._first_tokens.clear()
+    synth._first_tokens.extend([t0 - 0.1, t0])  # one just before
+    assert not synth._next_frames_in_time(7, t0, t0 + 0.024)
+
+
 async def test_tokens_per_char_caps_each_sentence(synthesizer: Synthesizer) -> None:
     """--max-tokens-per-char: each sentence stops at its own cap (whole frames), the first and last frame
     still become audio."""

@@ -58,6 +58,16 @@ PACE_SAMPLES = 1024  # at most this many intervals in the window (256 streams at
 # How first audio starts (`StreamDecoder(start=...)`): from the exact stream or a held bridge, as `starts_exact`
 # says; from a held bridge only; from the bridge at once, as before the holds.
 START_POLICIES = ("exact-or-bridge", "bridge-held", "bridge-at-once")
+# The fast start (a first audio from the first frame alone, without its lookahead frame) is taken when the tokens
+# of the next two frames are due within a margin: `decode_fast_start_ms` (45), which guards against a burst of new
+# streams slowing the token rate right after the first frame (with 65, 16 of 128 streams started together stalled
+# 26 ms after it on an H200). A sentence that starts alone (no other sentence's first token within
+# `FAST_START_BURST_WINDOW_S`) has no burst beside it, so its margin is the first frame's own 85 ms less the next
+# frame's decode and delivery (~15 ms). Measured need: an H100 at one stream makes a token every ~4 ms, so its next
+# two frames take 56 ms; with 45 its first audio waited for the lookahead frame (TTFA p50 at 1: 67 ms over WebRTC
+# against the H200's 46, whose 3.2 ms a token passed by 0.2 ms).
+LONE_FAST_START_S = 0.07
+FAST_START_BURST_WINDOW_S = 0.2  # a burst's sentences get their first tokens within a few engine steps
 
 
 def start_hold_s(received: int, interval_s: float, lead_s: float, handover_lead_s: float, head_frames: int) -> float:
@@ -138,3 +148,20 @@ class GenerationPace:
         if self._median is None:
             self._median = statistics.median(i for _, i in self._intervals) if self._intervals else 0.0
         return self._median
+
+
+def fast_start_margin_s(configured_s: float, others_starting: int) -> float:
+    """The fast start's margin: the configured one (`decode_fast_start_ms`; 0 = off) where `others_starting`
+    sentences got their first tokens beside this one, at least `LONE_FAST_START_S` where none did."""
+    if configured_s <= 0 or others_starting > 0:
+        return configured_s
+    return max(configured_s, LONE_FAST_START_S)
+
+
+def fast_start_in_time(tokens: int, since_first_token_s: float, needed_tokens: int, margin_s: float) -> bool:
+    """Whether, at the token rate so far (`tokens` in, the first `since_first_token_s` ago), the `needed_tokens`
+    the second frame's audio needs are in within `margin_s`."""
+    if margin_s <= 0 or tokens < 2:
+        return False
+    per_token_s = since_first_token_s / (tokens - 1)
+    return (needed_tokens - tokens) * per_token_s <= margin_s

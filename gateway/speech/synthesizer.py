@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +35,13 @@ from gateway.orpheus import (
 from gateway.speech.checkpoints import require_checkpoint
 from gateway.speech.codec_server import CodecStreamClient, DecoderSettings, load_stream_decoder, wait_for_server
 from gateway.speech.engine import EngineBase, OrpheusEngine
+from gateway.speech.first_audio import FAST_START_BURST_WINDOW_S, fast_start_in_time, fast_start_margin_s
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream, StreamDecoder
 
 log = logging.getLogger(__name__)
+
+FIRST_TOKENS_KEPT = 1024  # recent first tokens a fast start looks back over: a larger burst still reads as one
 
 
 class InvalidRequestError(ValueError):
@@ -149,6 +154,9 @@ class Synthesizer:
         self.voices = list(config.voice_list)
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
         self._fast_start_s = config.decode_fast_start_ms / 1000
+        # When recent sentences got their first tokens (monotonic, oldest first): whether a burst starts beside one
+        # decides its fast start's margin (`_next_frames_in_time`). Bounded: a burst larger than this reads as one.
+        self._first_tokens: deque[float] = deque(maxlen=FIRST_TOKENS_KEPT)
         # A decoder in this process is ready once built; a shared SNAC process once it listens (`start`).
         self.decoder_ready = not config.snac_socket
 
@@ -280,6 +288,7 @@ class Synthesizer:
                     now = time.monotonic()
                     if first_token_at is None:
                         first_token_at = now
+                        self._first_tokens.append(now)
                         if stats.first_token_at is None:
                             stats.first_token_at = now
                     tokens += len(token_ids)
@@ -287,7 +296,7 @@ class Synthesizer:
                     frames = parser.feed(token_ids)
                     if frames:
                         early = feed.received == 0 and stats.first_audio_at is None and \
-                            self._next_frames_in_time(tokens, now - first_token_at)
+                            self._next_frames_in_time(tokens, first_token_at, now)
                         feed.push(frames, early)
                     if decoding.done():  # a decode failed: stop generating (awaiting it below raises the error)
                         break
@@ -328,15 +337,16 @@ class Synthesizer:
         task = asyncio.create_task(self._decode_stream(stream, index, sentence, stats, chunks))
         return _StreamFeed(self.decoder, stream, task, stats)
 
-    def _next_frames_in_time(self, tokens: int, since_first_token_s: float) -> bool:
+    def _next_frames_in_time(self, tokens: int, first_token_at: float, now: float) -> bool:
         """Early start: at this token rate, do the tokens the second frame's audio needs (that frame and the
-        `FIRST_AUDIO_LOOKAHEAD` after it) arrive within `decode_fast_start_ms`? The first frame plays 85 ms, so
-        then the second is decoded before the first has played out."""
-        if self._fast_start_s <= 0 or tokens < 2:
-            return False
-        per_token_s = since_first_token_s / (tokens - 1)
+        `FIRST_AUDIO_LOOKAHEAD` after it) arrive within the fast start's margin (`decode_fast_start_ms`, more for a
+        sentence that starts alone: `first_audio.fast_start_margin_s`)? The first frame plays 85 ms, so then the
+        second is decoded before the first has played out."""
+        since = first_token_at - FAST_START_BURST_WINDOW_S
+        beside = sum(1 for _ in itertools.takewhile(lambda at: at >= since, reversed(self._first_tokens))) - 1
+        margin_s = fast_start_margin_s(self._fast_start_s, beside)
         needed = (2 + FIRST_AUDIO_LOOKAHEAD) * SLOTS_PER_FRAME
-        return (needed - tokens) * per_token_s <= self._fast_start_s
+        return fast_start_in_time(tokens, now - first_token_at, needed, margin_s)
 
     @staticmethod
     def _lead_s(stats: UtteranceStats) -> float:
