@@ -25,9 +25,10 @@ from aiohttp import web
 from bench.records import MS, PlannedRequest, RequestRecord, apply_arrivals, count_server_underruns, new_record
 from bench.settings import BenchOptions
 from gateway.config import GatewayConfig
-from gateway.devtools.client import SILENCE_RMS, HeadlessPeer, ReceivedEvent, ReceivedFrame
+from gateway.devtools.client import OPUS_RATE, SILENCE_RMS, HeadlessPeer, ReceivedEvent, ReceivedFrame
 from gateway.edge.app import create_app
 from gateway.media.playout import FRAME_MS
+from gateway.rtc.rtpclock import RTP_MODULO
 from gateway.speech.synthesizer import Synthesizer
 
 LOOPBACK = "127.0.0.1"
@@ -38,8 +39,6 @@ CONNECT_TIMEOUT_S = 60.0  # offer, ICE, DTLS and the `ready` event, all of it (H
 CLOSE_TIMEOUT_S = 10.0
 FRAME_S = FRAME_MS / MS
 OUTCOMES = ("done", "error", "cancelled")
-RTP_CLOCK_HZ = 48000  # Opus' RTP clock, whatever the audio's rate (RFC 7587)
-RTP_WRAP = 2 ** 32
 # Opus keeps ringing faintly for a frame after audio stops: measured rms 20-30 (rarely ~130) after frames of
 # 2000-4000 (random SNAC audio). Frames below this share of the utterance's median level are not audio.
 CODEC_TAIL_RATIO = 0.02
@@ -192,11 +191,11 @@ def delivery_jitter_ms(frames: Sequence[ReceivedFrame]) -> float | None:
     delay a client's jitter buffer must absorb, from the server's sending, the network and the client's own
     event loop together; a stall no larger than it, with no server underrun, was delivery, not synthesis
     (H100, 2026-12-06: 0 ms peers stalled 11-35 ms with no underrun). None with fewer than two stamped frames."""
-    stamped = [f for f in frames if f.rtp_timestamp is not None]
+    stamped = [(f.at, f.rtp_timestamp) for f in frames if f.rtp_timestamp is not None]
     if len(stamped) < 2:
         return None
-    stamps = [f.rtp_timestamp for f in stamped if f.rtp_timestamp is not None]
-    offsets = [f.at - ((stamp - stamps[0]) % RTP_WRAP) / RTP_CLOCK_HZ for f, stamp in zip(stamped, stamps, strict=True)]
+    first = stamped[0][1]
+    offsets = [at - ((stamp - first) % RTP_MODULO) / OPUS_RATE for at, stamp in stamped]
     return round((max(offsets) - min(offsets)) * MS, 2)
 
 

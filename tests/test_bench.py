@@ -17,9 +17,9 @@ from bench.report import markdown_table
 from bench.run import run_scenarios
 from bench.settings import parse_options
 from bench.timing import describe, simulate_playback, token_budget
-from bench.webrtc_level import RTP_CLOCK_HZ, audio_frames, delivery_jitter_ms
+from bench.webrtc_level import audio_frames, delivery_jitter_ms
 from gateway.config import GatewayConfig
-from gateway.devtools.client import ReceivedFrame
+from gateway.devtools.client import OPUS_RATE, ReceivedFrame
 from gateway.speech.synthesizer import Synthesizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -63,7 +63,7 @@ def test_audio_frames_undo_opus_spill_and_tail() -> None:
 def test_delivery_jitter_is_the_spread_of_arrivals_against_the_rtp_clock() -> None:
     """Frames on the sender's clock have none, whatever the constant delay and across the RTP timestamp's wrap; one
     frame 30 ms late, then the rest on time again, has 30 ms; frames without a timestamp do not count."""
-    step = RTP_CLOCK_HZ // 50  # a 20 ms frame
+    step = OPUS_RATE // 50  # a 20 ms frame
 
     def frames(start: int, late_s: dict[int, float]) -> list[ReceivedFrame]:
         return [ReceivedFrame(at=5.0 + i * 0.02 + late_s.get(i, 0.0), samples=960, rms=LOUD,

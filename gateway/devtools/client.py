@@ -35,6 +35,7 @@ from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 
 from gateway.rtc import protocol
 from gateway.rtc.protocol import CONTROL_LABEL
+from gateway.rtc.rtpclock import RTP_MODULO
 
 SILENCE_RMS = 1.0  # decoded Opus silence is exactly or nearly zero
 # Complete frames the receive jitter buffer waits for after a frame before releasing it. aiortc's default for
@@ -331,4 +332,4 @@ def _rtp_timestamp(receiver: Any, pts: int) -> int | None:
     origin = getattr(mapper, "_origin", None)
     if origin is None:
         return None
-    return (origin + pts) % (1 << 32)
+    return (origin + pts) % RTP_MODULO
