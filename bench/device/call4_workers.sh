@@ -8,7 +8,8 @@
 #      TOKENS_PER_CHAR (the gateway's --max-tokens-per-char, 6: the random-weight model never stops by itself, and
 #      without a cap every sentence ran to --max-tokens, 30-40 s of audio: H200, 2026-12-05 late, 0 of 256 real time),
 #      MPS (non-empty: under an NVIDIA MPS daemon, bench/device/mps.sh),
-#      FAULT_ARGS (bench.faults flags: run the fault injection instead of bench.run, e.g. "--peers 256")
+#      FAULT_ARGS (bench.faults flags: run the fault injection instead of bench.run, e.g. "--peers 256"),
+#      BENCH_ARGS2 (a second bench.run on the same workers, into $NAME/second: saves their 80-150 s start)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}  # SNAP: a committed tree (git archive), or another
 [ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP  # commit's beside it for an A/B in one lease
 cd $SRC
@@ -68,6 +69,13 @@ elif [ $RC -eq 0 ]; then
     > $OUT/$NAME/bench.log 2>&1
   echo "bench rc=$?"
   grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/bench.log | tail -c 7000
+  if [ -n "$BENCH_ARGS2" ]; then
+    mkdir -p $OUT/$NAME/second
+    timeout ${BENCH_TIMEOUT2:-300} python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --gateway-pid $SERVE_PID \
+      --out $OUT/$NAME/second $BENCH_ARGS2 > $OUT/$NAME/second/bench.log 2>&1
+    echo "bench 2 rc=$?"
+    grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/second/bench.log | tail -c 5000
+  fi
 fi
 # The supervisor stops its children (each in its own process group) before it exits: give it the time.
 kill -TERM -- -$SERVE_PID 2>/dev/null
