@@ -82,7 +82,7 @@ class ClientPool:
                         ) -> list[RequestRecord]:
         """Users are dealt round-robin to the processes; all of them start speaking at the same moment."""
         slices = [list(workload[i::self.size]) for i in range(self.size)]
-        busy = [(conn, part) for conn, part in zip(self._conns, slices, strict=True) if part]
+        busy = [(conn, part) for conn, part in zip(self._conns, slices, strict=True) if part]  # the first ones
         started = time.monotonic()
         for conn, part in busy:
             conn.send(("connect", base_url, part, options))
@@ -96,7 +96,12 @@ class ClientPool:
         for conn, _ in busy:
             conn.send(("go", origin))
         replies = await asyncio.gather(*(_expect(conn, "records") for conn, _ in busy))
-        return [record for reply in replies for record in reply[1]]
+        records = []
+        for process, reply in enumerate(replies):  # only trailing slices are empty: process k has users k::size
+            for record in reply[1]:
+                record.client_process = process
+                records.append(record)
+        return records
 
 
 async def _expect(conn: Connection, kind: str) -> tuple[Any, ...]:

@@ -14,6 +14,10 @@ from bench.corpus import Phrase
 from bench.timing import describe, gaps, simulate_playback
 
 MS = 1000.0
+# Stalls whose first late chunk arrived in the same window of the point's clock fall at one "moment": many streams
+# stalling at a few moments, in every client process, is the host (a burst's CPU), not the streams (2026-12-06, H100:
+# 92 stalled streams at 256 peers fell at 4 moments).
+STALL_MOMENT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class RequestRecord:
     delivery_jitter_ms: float | None = None  # WebRTC: how far frame arrivals strayed from the sender's RTP clock
     arrivals: list[tuple[float, float]] | None = None  # kept only with --keep-arrivals (ms, ms)
     frames_at_ms: list[float] | None = None  # engine levels, with --keep-arrivals: the first frames' arrival
+    client_process: int | None = None  # WebRTC with --client-processes: which client process played it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +88,8 @@ def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]
         record.playback[str(buffer_ms)] = {
             "stalled": played.stalled, "stalls": played.stalls, "stall_ms": round(played.stall_s * MS, 2),
             "max_late_ms": round(played.max_late_s * MS, 2)}
+        if played.first_stall_at_s is not None:  # after sending, as the arrivals
+            record.playback[str(buffer_ms)]["first_stall_ms"] = round(played.first_stall_at_s * MS, 2)
     if record.done_ms is not None and record.audio_s > 0:
         record.rtf = round(record.done_ms / MS / record.audio_s, 4)
     if keep:
@@ -150,11 +157,18 @@ def _playback_summary(records: Sequence[RequestRecord], buffer_key: str) -> dict
     stalled_users = {r.user for r in records if not r.ok or r.playback[buffer_key]["stalled"]}
     users = {r.user for r in records}
     played = [r.playback[buffer_key] for r in records if r.ok]
+    # Where the client-seen stalls fell: moments of the point's clock, and client processes (a server underrun
+    # counted as a stall has no client-seen position).
+    seen = [r for r in records if r.ok and "first_stall_ms" in r.playback[buffer_key]]
+    moments = {int((r.sent_at_s + r.playback[buffer_key]["first_stall_ms"] / MS) // STALL_MOMENT_S) for r in seen}
+    processes = {r.client_process for r in seen if r.client_process is not None}
     return {
         "streams_stalled": sum(1 for r in records if not r.ok or r.playback[buffer_key]["stalled"]),
         "realtime_users": len(users - stalled_users),
         "stall_ms_max": max((p["stall_ms"] for p in played), default=None),
         "max_late_ms": max((p["max_late_ms"] for p in played), default=None),
+        "stall_moments": len(moments),
+        "stalled_client_processes": len(processes) if any(r.client_process is not None for r in records) else None,
     }
 
 

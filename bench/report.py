@@ -59,6 +59,18 @@ def _realtime_users(buffer_ms: int) -> Callable[[dict[str, Any]], str]:
     return cell
 
 
+def _stall_moments(buffer_ms: int) -> Callable[[dict[str, Any]], str]:
+    """The client-seen stalls of a view: at how many moments (`records.STALL_MOMENT_S` windows) they began, and in
+    how many client processes. Few moments across every process: the host; one process: that process."""
+    def cell(summary: dict[str, Any]) -> str:
+        played = summary["playback"].get(str(buffer_ms))
+        if played is None or played.get("stall_moments") is None:
+            return MISSING
+        processes = played.get("stalled_client_processes")
+        return f"{played['stall_moments']}" + ("" if processes is None else f" ({processes} procs)")
+    return cell
+
+
 def _endings(summary: dict[str, Any]) -> str:
     """Utterances whose ending was not exactly one terminal event (missing + doubled + out of order): must be 0."""
     endings = summary.get("endings")
@@ -114,7 +126,8 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
         return [n, ("streams", lambda s: str(s["requests"])), ("success", _success),
                 ("audio s/stream", _audio_per_stream), ("max gap ms", _ms("max_gap_ms")),
                 ("RTF max", _fixed(2, "stream_rtf", "max")),
-                ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime, underruns,
+                ("TTFA p95 ms", _ms("ttfa_ms", "p95")), *stalls, *realtime,
+                *[(f"stall moments @{b} ms", _stall_moments(b)) for b in buffers_ms[:1]], underruns,
                 ("server late frames", _late_frames), ("delivery jitter p95 ms", _ms("delivery_jitter_ms", "p95")),
                 endings]
     raise ValueError(f"unknown scenario {scenario!r}")

@@ -45,6 +45,7 @@ class Playback:
     stalls: int  # times playback had to wait for audio that had not arrived
     stall_s: float  # total waiting
     max_late_s: float  # worst lateness of a chunk against the schedule without stalls (0 if never late)
+    first_stall_at_s: float | None = None  # arrival time of the chunk the first stall waited for (None: no stall)
 
     @property
     def stalled(self) -> bool:
@@ -64,15 +65,18 @@ def simulate_playback(arrivals: Sequence[tuple[float, float]], buffer_s: float, 
     clock = start  # playout time of the next chunk, stalls included
     fixed = start  # playout time of the next chunk on the schedule without stalls
     stalls, stall_s, max_late = 0, 0.0, 0.0
+    first_stall_at: float | None = None
     for arrived, duration in arrivals:
         max_late = max(max_late, arrived - fixed)
         if arrived > clock + tolerance_s:
+            if first_stall_at is None:
+                first_stall_at = arrived
             stalls += 1
             stall_s += arrived - clock
             clock = arrived
         clock += duration
         fixed += duration
-    return Playback(buffer_s, stalls, stall_s, max(0.0, max_late))
+    return Playback(buffer_s, stalls, stall_s, max(0.0, max_late), first_stall_at)
 
 
 def token_budget(chars: int, tokens_per_char: float, cap: int) -> int | None:

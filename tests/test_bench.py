@@ -33,6 +33,7 @@ def test_playback_stalls_only_when_a_chunk_misses_its_playout_time() -> None:
     no_buffer = simulate_playback(arrivals, 0.0)
     assert no_buffer.stalls == 1 and no_buffer.stall_s == pytest.approx(0.15)
     assert no_buffer.max_late_s == pytest.approx(0.15)
+    assert no_buffer.first_stall_at_s == pytest.approx(0.35)
     assert not simulate_playback(arrivals, 0.5).stalled
     assert not simulate_playback(arrivals, 0.0, tolerance_s=0.2).stalled
     assert simulate_playback([], 0.0).stalls == 0
@@ -333,6 +334,39 @@ def test_a_listener_buffer_the_gateway_holds_sets_the_stall_views() -> None:
     unheld = RequestRecord(user=0, index=0, lang="en", size="short", chars=10, sent_at_s=0.0)
     apply_arrivals(unheld, late, [500], 10.0, keep=False)
     assert not unheld.playback["500"]["stalled"]  # the same arrivals, 500 ms buffered at the client
+
+
+def test_stalls_are_placed_in_moments_and_client_processes() -> None:
+    """Streams of two client processes that stall at the same moment of the point's clock are one moment, whatever
+    their sending times; a third process's stall half a second later is another; a stall counted from a server
+    underrun alone has no client-seen place."""
+    from bench.records import RequestRecord, apply_arrivals, count_server_underruns, summarize
+    from bench.report import markdown_table
+
+    def record(user: int, sent_at_s: float, late_at_s: float | None, process: int, underruns: int = 0
+               ) -> RequestRecord:
+        frames = [0.1 + 0.02 * i for i in range(50)]
+        arrivals = [(t + (0.05 if late_at_s is not None and sent_at_s + t >= late_at_s else 0.0), 0.02)
+                    for t in frames]
+        made = RequestRecord(user=user, index=0, lang="en", size="short", chars=10, sent_at_s=sent_at_s, ok=True,
+                             client_process=process)
+        apply_arrivals(made, arrivals, [0, 500], 10.0, keep=False)
+        made.server = {"underruns": underruns, "underrun_ms": 20 * underruns}
+        count_server_underruns(made)
+        return made
+
+    records = [record(0, 0.0, 0.5, 0), record(1, 0.2, 0.5, 1), record(2, 0.0, 1.0, 2), record(3, 0.0, None, 0),
+               record(4, 0.0, None, 1, underruns=1)]
+    assert records[0].playback["0"]["first_stall_ms"] == pytest.approx(500 + 50, abs=21)
+    played = summarize(records, 5, [0, 500])["playback"]
+    assert played["0"]["streams_stalled"] == 4
+    assert (played["0"]["stall_moments"], played["0"]["stalled_client_processes"]) == (2, 3)
+    assert (played["500"]["stall_moments"], played["500"]["stalled_client_processes"]) == (0, 0)
+    table = markdown_table("streaming", "webrtc", [{"summary": summarize(records, 5, [0, 500])}], [0, 500])
+    assert "stall moments @0 ms" in table and "| 2 (3 procs) |" in table
+    for r in records:
+        r.client_process = None  # peers in the bench's own process
+    assert summarize(records, 5, [0])["playback"]["0"]["stalled_client_processes"] is None
 
 
 def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:
