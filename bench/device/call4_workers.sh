@@ -9,7 +9,9 @@
 #      without a cap every sentence ran to --max-tokens, 30-40 s of audio: H200, 2026-12-05 late, 0 of 256 real time),
 #      MPS (non-empty: under an NVIDIA MPS daemon, bench/device/mps.sh),
 #      FAULT_ARGS (bench.faults flags: run the fault injection instead of bench.run, e.g. "--peers 256"),
-#      BENCH_ARGS2 (a second bench.run on the same workers, into $NAME/second: saves their 80-150 s start)
+#      BENCH_ARGS2 (a second bench.run on the same workers, into $NAME/second: saves their 80-150 s start),
+#      SERVE_CPUS / CLIENT_CPUS / CLIENT_CPUS2 (taskset lists, e.g. 0-9 / 10-15: the gateway's processes, the first and
+#      the second bench.run's with their client processes, on cores of their own)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}  # SNAP: a committed tree (git archive), or another
 [ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP  # commit's beside it for an A/B in one lease
 cd $SRC
@@ -28,7 +30,10 @@ if [ -d $DC/pool ]; then  # carry .devcarry/pool (wheels): what `vllm serve` imp
 fi
 GRAPHS=""; [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
 source bench/device/mps.sh; mps_start
-setsid python3 -m gateway serve --workers $WORKERS --host 127.0.0.1 --port $PORT --model /tmp/orpheus-struct \
+SERVE_PIN=""; [ -n "$SERVE_CPUS" ] && SERVE_PIN="taskset -c $SERVE_CPUS"
+PIN1=""; [ -n "$CLIENT_CPUS" ] && PIN1="taskset -c $CLIENT_CPUS"
+PIN2=""; [ -n "$CLIENT_CPUS2" ] && PIN2="taskset -c $CLIENT_CPUS2"
+setsid $SERVE_PIN python3 -m gateway serve --workers $WORKERS --host 127.0.0.1 --port $PORT --model /tmp/orpheus-struct \
   --snac-model /tmp/orpheus-struct/snac --log-level warning --max-tokens-per-char ${TOKENS_PER_CHAR:-6} $GRAPHS \
   $SERVE_ARGS > $OUT/$NAME/serve.log 2>&1 &
 SERVE_PID=$!
@@ -64,14 +69,14 @@ if [ $RC -eq 0 ] && [ -n "$FAULT_ARGS" ]; then
   echo "faults rc=$?"
   grep -E "^\[|^\|" $OUT/$NAME/faults.log | tail -c 7000
 elif [ $RC -eq 0 ]; then
-  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --gateway-pid $SERVE_PID \
+  timeout ${BENCH_TIMEOUT:-420} $PIN1 python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --gateway-pid $SERVE_PID \
     --out $OUT/$NAME $BENCH_ARGS \
     > $OUT/$NAME/bench.log 2>&1
   echo "bench rc=$?"
   grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/bench.log | tail -c 7000
   if [ -n "$BENCH_ARGS2" ]; then
     mkdir -p $OUT/$NAME/second
-    timeout ${BENCH_TIMEOUT2:-300} python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --gateway-pid $SERVE_PID \
+    timeout ${BENCH_TIMEOUT2:-300} $PIN2 python3 -m bench.run --gateway-url http://127.0.0.1:$PORT --gateway-pid $SERVE_PID \
       --out $OUT/$NAME/second $BENCH_ARGS2 > $OUT/$NAME/second/bench.log 2>&1
     echo "bench 2 rc=$?"
     grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/second/bench.log | tail -c 5000
