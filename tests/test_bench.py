@@ -336,6 +336,40 @@ def test_a_listener_buffer_the_gateway_holds_sets_the_stall_views() -> None:
     assert not unheld.playback["500"]["stalled"]  # the same arrivals, 500 ms buffered at the client
 
 
+def test_device_stage_folders_fit_a_call_and_join_back_to_the_same_files(tmp_path: Path) -> None:
+    """bench/device/pack.py: every folder stays within a call's carry, a file larger than a part is cut, and the
+    stage calls' merge joins each file back byte for byte, checked against the digests only once all are in."""
+    import os
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench" / "device"))
+    try:
+        import pack
+    finally:
+        sys.path.pop(0)
+    devcarry = tmp_path / "devcarry"
+    originals = {}
+    for index, group in enumerate(pack.GROUPS):
+        for size in (5000 * (index + 1), 300):
+            path = devcarry / group / f"file{size}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(os.urandom(size))
+            originals[f"{group}/{path.name}"] = path.read_bytes()
+    out = devcarry / "stage"
+    calls = pack.pack(devcarry, out, call_bytes=12000, part_bytes=4000)
+    assert all(sum(n for *_, n in files) <= 12000 for files in calls) and len(calls) > 2
+    assert any(".part." in name for files in calls for _, name, _ in files)
+    stage = tmp_path / "device-stage"
+    for index in range(1, len(calls) + 1):
+        shutil.copytree(out / f"{index:02d}", stage, dirs_exist_ok=True)
+        _, missing = pack.join(stage)
+        assert bool(missing) == (index < len(calls))
+    assert {str(p.relative_to(stage)): p.read_bytes() for p in stage.rglob("*.bin")} == originals
+    (stage / "cur1" / "file5000.bin").write_bytes(b"changed")
+    with pytest.raises(SystemExit, match="differ"):
+        pack.join(stage)
+
+
 def test_stalls_are_placed_in_moments_and_client_processes() -> None:
     """Streams of two client processes that stall at the same moment of the point's clock are one moment, whatever
     their sending times; a third process's stall half a second later is another; a stall counted from a server

@@ -3,6 +3,7 @@
 # carry: .devcarry/cur1 .devcarry/bench .devcarry/gw1
 # Unpacks vLLM (part A), installs the gateway's pure-Python deps, builds the Orpheus-shaped model.
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree (git archive HEAD)
+source $REPO/bench/device/carried.sh  # folders from the stage calls (pack.py)
 cd $SRC  # python -m puts the working directory first on sys.path
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/site
 ( cd /tmp/site && tar -xJf $DC/cur1/siteA.tar.xz )

@@ -4,6 +4,7 @@
 #        cur2b: bench/device/README.md)      env: BENCH_N, BENCH_N_SHORT, BENCH_DEADLINE as in call2.sh;
 #        SKIP_BASELINE=1 only unpacks (the bench's own vllm level is the same-run ceiling)
 REPO=$(pwd); DC=$REPO/.devcarry; T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+source $REPO/bench/device/carried.sh  # folders from the stage calls (pack.py)
 [ -f /tmp/site/vllm/__init__.py ] || { echo "part A missing: run call 1 first (machine went back?)"; exit 3; }
 if [ -f $DC/cur2/siteB.tar.xz ]; then
   ( cd /tmp/site && tar -xJf $DC/cur2/siteB.tar.xz )

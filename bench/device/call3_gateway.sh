@@ -4,6 +4,7 @@
 # env:   NAME (output folder under $OUT), BENCH_ARGS (bench.run flags: levels, scenarios, sweeps, engine settings),
 #        MPS (non-empty: run under an NVIDIA MPS daemon, stopped at the end; a user-space daemon, no GPU setting)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}  # SNAP: a committed tree (git archive HEAD), or another
+source $REPO/bench/device/carried.sh  # folders from the stage calls (pack.py)
 [ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP  # commit's beside it for an A/B in one lease
 cd $SRC  # python -m puts the working directory first on sys.path
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-gateway}; mkdir -p $OUT/$NAME

@@ -13,6 +13,7 @@
 #      SERVE_CPUS / CLIENT_CPUS / CLIENT_CPUS2 (taskset lists, e.g. 0-9 / 10-15: the gateway's processes, the first and
 #      the second bench.run's with their client processes, on cores of their own)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}  # SNAP: a committed tree (git archive), or another
+source $REPO/bench/device/carried.sh  # folders from the stage calls (pack.py)
 [ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP  # commit's beside it for an A/B in one lease
 cd $SRC
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-workers}; WORKERS=${WORKERS:-8}; mkdir -p $OUT/$NAME

@@ -5,6 +5,7 @@
 # env: DTYPES (float32,bfloat16), SNAC_ARGS (extra flags, e.g. "--stream-variants eager,compiled"),
 #      PROFILE (variants to profile, e.g. windows,stream,stream-compiled; none by default), NAME (snac_stream)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; [ -d $DC/snap/gateway ] && SRC=$DC/snap  # snap: a committed tree
+source $REPO/bench/device/carried.sh  # folders from the stage calls (pack.py)
 cd $SRC
 T0=$(date +%s); OUT=${OUT:-/tmp/out}; NAME=${NAME:-snac_stream}; mkdir -p $OUT
 [ -d /tmp/site/snac ] || { echo "snac missing: run call 1 first"; exit 3; }
