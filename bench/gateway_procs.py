@@ -1,14 +1,17 @@
 """The processes of a running `serve --workers` gateway, seen from a benchmark on the same host: what each one
-is (supervisor, worker, the SNAC process, `vllm serve`'s API servers, its engine core), and the CPU each kind
-spends. `bench.faults` kills and weighs them; `bench.run --gateway-pid` splits a point's host CPU by them, so a
-WebRTC run shows where the cores went (workers' media, vLLM's HTTP front, SNAC, the clients).
+is (supervisor, worker, the SNAC process, `vllm serve`'s API servers, its engine core), the CPU each kind
+spends, and from its merged /metrics the SNAC decoders' counters and the workers' event-loop lag.
+`bench.faults` kills and weighs them; `bench.run --gateway-pid` splits a point's host CPU by them, so a WebRTC
+run shows where the cores went (workers' media, vLLM's HTTP front, SNAC, the clients).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -23,6 +26,8 @@ API_SERVER_TITLE = "APIServer"
 ENGINE_CORE_TITLE = "EngineCore"
 ENGINE_WORKER_TITLE = "VLLM::Worker"  # the model runner, where the engine core runs it in another process
 KINDS = ("supervisor", "worker", "snac", "vllm", "engine-core", "engine-worker", "other")
+LATE_LAG_S = 0.01  # a lag that makes a playout frame late (`done.late_frames` counts frames over 10 ms late)
+MS_PER_S = 1000.0
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,46 @@ def snac_counters(exposition: str) -> dict[str, float]:
     return totals
 
 
+def loop_lag_buckets(exposition: str) -> dict[float, float]:
+    """The workers' event-loop lag samples so far, as cumulative counts by bucket bound (seconds; `inf` last),
+    summed over the workers of a merged exposition ({} when none reports it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.service.metrics import LOOP_LAG_METRIC
+
+    counts: dict[float, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name != LOOP_LAG_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{LOOP_LAG_METRIC}_bucket":
+                bound = float(sample.labels["le"])
+                counts[bound] = counts.get(bound, 0.0) + sample.value
+    return dict(sorted(counts.items()))
+
+
+def loop_lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, Any] | None:
+    """Samples between two readings of `loop_lag_buckets`: how many, how many over 10 ms, and the bucket bounds
+    (ms) that hold the 95th percentile and the largest sample (a histogram gives bounds, not values)."""
+    delta = {bound: after[bound] - before.get(bound, 0.0) for bound in after}
+    total = delta.get(math.inf, 0.0)
+    if total <= 0:
+        return None
+
+    def bound_of(rank: float) -> float | None:
+        bound = next(b for b, count in delta.items() if count >= rank)
+        return None if math.isinf(bound) else round(bound * MS_PER_S, 1)
+
+    over_10ms = total - max((count for b, count in delta.items() if b <= LATE_LAG_S), default=0.0)
+    return {"samples": int(total), "over_10ms": int(over_10ms), "p95_le_ms": bound_of(0.95 * total),
+            "max_le_ms": bound_of(total)}
+
+
 @dataclass(frozen=True)
 class GatewaySnapshot:
     cpu: dict[int, tuple[str, float]]  # cpu_by_process; {} without a supervisor pid
     snac: dict[str, float] | None  # snac_counters; None when /metrics did not answer
+    loop_lag: dict[float, float] | None = None  # loop_lag_buckets; None when /metrics did not answer
 
 
 class GatewayWatch:
@@ -123,9 +164,11 @@ class GatewayWatch:
 
         cpu = cpu_by_process(self.supervisor_pid) if self.supervisor_pid is not None else {}
         snac: dict[str, float] | None = None
+        loop_lag: dict[float, float] | None = None
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
             timeout = aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S)
             async with aiohttp.ClientSession(timeout=timeout) as http, http.get(f"{self.base_url}/metrics") as r:
                 if r.status == 200:
-                    snac = snac_counters(await r.text())
-        return GatewaySnapshot(cpu, snac)
+                    text = await r.text()
+                    snac, loop_lag = snac_counters(text), loop_lag_buckets(text)
+        return GatewaySnapshot(cpu, snac, loop_lag)

@@ -9,18 +9,18 @@ shows how late the loop wakes up, which is what delays every stream's chunks at 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
-from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind
+from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind, loop_lag_summary
 from bench.timing import describe
+from gateway.service.loop_lag import LoopLagMonitor
 from gateway.speech.stream_decoder import THREAD_NAME, DecodeStats
 
 LAG_INTERVAL_S = 0.01  # how often the lag monitor wakes up
@@ -153,27 +153,18 @@ def longest_tick_ms(before: list[int], after: list[int]) -> int | None:
     return longest[-1] if longest else None
 
 
-@dataclass
-class LoopLagMonitor:
-    """Samples how late the event loop wakes up from a short sleep, while a point runs."""
+class PointLoopLag:
+    """This process's event-loop lag while a point runs (the gateway's own `LoopLagMonitor`, sampled more often)."""
 
-    lags_s: list[float] = field(default_factory=list)
-    _task: asyncio.Task[None] | None = None
-
-    async def _sample(self) -> None:
-        while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(LAG_INTERVAL_S)
-            self.lags_s.append(max(0.0, time.monotonic() - t0 - LAG_INTERVAL_S))
+    def __init__(self) -> None:
+        self.lags_s: list[float] = []
+        self._monitor = LoopLagMonitor(self.lags_s.append, LAG_INTERVAL_S)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._sample())
+        self._monitor.start()
 
     async def stop(self) -> dict[str, Any]:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._monitor.stop()
         return describe(self.lags_s, MS)
 
 
@@ -184,6 +175,8 @@ def gateway_delta(before: GatewaySnapshot, after: GatewaySnapshot, wall_s: float
     delta: dict[str, Any] = {"server": {"cpu_s": spent,
                                         "cores": {k: round(v / wall_s, 2) for k, v in spent.items()} if wall_s > 0
                                         else {}}}
+    if before.loop_lag is not None and after.loop_lag is not None:
+        delta["workers_loop_lag"] = loop_lag_summary(before.loop_lag, after.loop_lag)
     if before.snac is not None and after.snac is not None:
         d = {key: after.snac[key] - before.snac[key] for key in after.snac}
         delta["snac"] = {**snac_batching(int(d["batches"]), int(d["windows"]), d["busy_s"], wall_s),
@@ -199,7 +192,7 @@ class PointProbe:
         self.decoder = decoder
         self.client_pids = frozenset(client_pids)
         self.gateway = gateway
-        self.monitor = LoopLagMonitor()
+        self.monitor = PointLoopLag()
         self.before: CpuSnapshot | None = None
         self.gateway_before: GatewaySnapshot | None = None
 

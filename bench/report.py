@@ -167,6 +167,10 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("generation done p50 ms", _ms("summary", "generated_ms", "p50")),
         ("loop lag p95 ms", _fixed(1, "pipeline", "loop_lag_ms", "p95")),
         ("loop lag max ms", _fixed(1, "pipeline", "loop_lag_ms", "max")),
+        # a gateway in other processes: its workers' loops (bucket bounds of their histogram, all workers' samples)
+        ("workers loop lag p95 ms <=", _fixed(0, "pipeline", "workers_loop_lag", "p95_le_ms")),
+        ("workers loop lag max ms <=", _fixed(0, "pipeline", "workers_loop_lag", "max_le_ms")),
+        ("workers loop lags > 10 ms", _fixed(0, "pipeline", "workers_loop_lag", "over_10ms")),
     ]
 
 

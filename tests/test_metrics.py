@@ -1,9 +1,15 @@
-"""Merging several gateway processes' metrics into one exposition (`serve --workers`)."""
+"""Merging several gateway processes' metrics into one exposition (`serve --workers`), and the event-loop lag
+they report."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.gateway_procs import loop_lag_buckets, loop_lag_summary
+from gateway.service.loop_lag import LoopLagMonitor
 from gateway.service.metrics import Metrics, merge_worker_expositions
 
 
@@ -43,3 +49,24 @@ def test_worker_count_family_says_how_many_answered() -> None:
     families = {f.name: f for f in text_string_to_metric_families(merged.decode())}
     assert {s.labels["state"]: s.value for s in families["orpheus_metrics_workers"].samples} == \
         {"answered": 1.0, "expected": 2.0}
+
+
+async def test_a_blocked_loop_shows_in_the_lag_histogram_and_the_benchs_reading() -> None:
+    """A loop blocked for 150 ms shows one sample in the 100-200 ms bucket; a worker whose loop ran free shows none
+    over 10 ms; the bench reads the merged workers' histogram as samples, count over 10 ms and bucket bounds."""
+    busy, free = Metrics(), Metrics()
+    busy.loop_lag_seconds.observe(0.0005)  # an earlier sample: the bench reads the difference
+    before = loop_lag_buckets(merge_worker_expositions({"w0": busy.render().decode(),
+                                                        "w1": free.render().decode()}).decode())
+    monitor = LoopLagMonitor(busy.loop_lag_seconds.observe)
+    monitor.start()
+    await asyncio.sleep(0.05)
+    asyncio.get_running_loop().call_soon(time.sleep, 0.15)  # a callback that holds the loop
+    await asyncio.sleep(0.25)
+    await monitor.stop()
+    after = loop_lag_buckets(merge_worker_expositions({"w0": busy.render().decode(),
+                                                       "w1": free.render().decode()}).decode())
+    summary = loop_lag_summary(before, after)
+    assert summary is not None and summary["samples"] >= 3
+    assert (summary["over_10ms"], summary["max_le_ms"]) == (1, 200.0)
+    assert loop_lag_summary(after, after) is None  # nothing sampled between two readings

@@ -15,6 +15,7 @@ from gateway.edge.auth import AccessPolicy
 from gateway.rtc.manager import SessionManager
 from gateway.rtc.services import SessionServices
 from gateway.service.admission import Admission
+from gateway.service.loop_lag import LoopLagMonitor
 from gateway.service.metrics import Metrics
 from gateway.speech.engine import EngineState
 from gateway.speech.synthesizer import Synthesizer
@@ -40,6 +41,7 @@ class GatewayState:
             SessionServices(config, self.metrics, self.admission, self._speaking_synthesizer), session_id_prefix)
         self._owns_synthesizer = synthesizer is None
         self._start_task: asyncio.Task[None] | None = None
+        self.loop_lag = LoopLagMonitor(self.metrics.loop_lag_seconds.observe)  # runs from startup to cleanup
         self.failure: str | None = None  # why the engine could not start: /readyz says so
         self.on_failure: Callable[[str], None] | None = None  # `serve` exits non-zero on it
 
@@ -59,6 +61,7 @@ class GatewayState:
             self.metrics.engine_restarts_total.inc()
 
     async def startup(self, app: web.Application) -> None:
+        self.loop_lag.start()
         if self.synthesizer is None:
             # Health answers at once; readiness waits for the engine, which loads in the background.
             self._start_task = asyncio.create_task(self._load_and_start())
@@ -88,6 +91,7 @@ class GatewayState:
             freeze_startup_objects()
 
     async def cleanup(self, app: web.Application) -> None:
+        await self.loop_lag.stop()
         await self.sessions.close_all()
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()

@@ -20,6 +20,10 @@ LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PLAYED_BUCKETS_S = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0, 30.0, 60.0)
+# Event-loop lag: 10 ms and more makes a playout frame late (`orpheus_playout_late_frames_total`); a listener
+# without a buffer hears 20 ms and more.
+LOOP_LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+LOOP_LAG_METRIC = "orpheus_event_loop_lag_seconds"
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 WORKER_LABEL = "worker"
 METRICS_PATH = "/metrics"
@@ -77,6 +81,9 @@ class Metrics:
         self.late_frames_total = Counter("orpheus_playout_late_frames_total",
                                          "Audio frames handed to the sender over 10 ms after their slot.",
                                          registry=r)
+        # Why frames are late: how late this process's event loop woke from a 20 ms sleep (service.loop_lag).
+        self.loop_lag_seconds = Histogram(LOOP_LAG_METRIC, "How late the event loop woke from a 20 ms sleep.",
+                                          buckets=LOOP_LAG_BUCKETS_S, registry=r)
         self.queue_depth = Gauge("orpheus_queued_utterances", "Utterances waiting in session queues.",
                                  registry=r)
         self.engine_in_flight = Gauge("orpheus_engine_requests_in_flight", "Engine requests running.",
