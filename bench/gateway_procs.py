@@ -109,22 +109,25 @@ def snac_counters(exposition: str) -> dict[str, float]:
     return totals
 
 
-def loop_lag_buckets(exposition: str) -> dict[float, float]:
-    """The workers' event-loop lag samples so far, as cumulative counts by bucket bound (seconds; `inf` last),
-    summed over the workers of a merged exposition ({} when none reports it)."""
+def loop_lag_buckets(exposition: str) -> dict[str, dict[float, float]]:
+    """The event-loop lag samples so far, as cumulative counts by bucket bound (seconds; `inf` last): the workers'
+    summed ("workers"), and the shared SNAC process's streams loop ("snac", its `worker` label). A process that
+    reports none is absent; a single gateway's own samples count as "workers"."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gateway.service.metrics import LOOP_LAG_METRIC
+    from gateway.cluster.snac_process import SNAC_LABEL
+    from gateway.service.metrics import LOOP_LAG_METRIC, WORKER_LABEL
 
-    counts: dict[float, float] = {}
+    counts: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(exposition):
         if family.name != LOOP_LAG_METRIC:
             continue
         for sample in family.samples:
             if sample.name == f"{LOOP_LAG_METRIC}_bucket":
+                which = counts.setdefault("snac" if sample.labels.get(WORKER_LABEL) == SNAC_LABEL else "workers", {})
                 bound = float(sample.labels["le"])
-                counts[bound] = counts.get(bound, 0.0) + sample.value
-    return dict(sorted(counts.items()))
+                which[bound] = which.get(bound, 0.0) + sample.value
+    return {process: dict(sorted(buckets.items())) for process, buckets in counts.items()}
 
 
 def loop_lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, Any] | None:
@@ -148,7 +151,7 @@ def loop_lag_summary(before: dict[float, float], after: dict[float, float]) -> d
 class GatewaySnapshot:
     cpu: dict[int, tuple[str, float]]  # cpu_by_process; {} without a supervisor pid
     snac: dict[str, float] | None  # snac_counters; None when /metrics did not answer
-    loop_lag: dict[float, float] | None = None  # loop_lag_buckets; None when /metrics did not answer
+    loop_lag: dict[str, dict[float, float]] | None = None  # loop_lag_buckets; None when /metrics did not answer
 
 
 class GatewayWatch:
@@ -164,7 +167,7 @@ class GatewayWatch:
 
         cpu = cpu_by_process(self.supervisor_pid) if self.supervisor_pid is not None else {}
         snac: dict[str, float] | None = None
-        loop_lag: dict[float, float] | None = None
+        loop_lag: dict[str, dict[float, float]] | None = None
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
             timeout = aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S)
             async with aiohttp.ClientSession(timeout=timeout) as http, http.get(f"{self.base_url}/metrics") as r:

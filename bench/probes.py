@@ -176,7 +176,10 @@ def gateway_delta(before: GatewaySnapshot, after: GatewaySnapshot, wall_s: float
                                         "cores": {k: round(v / wall_s, 2) for k, v in spent.items()} if wall_s > 0
                                         else {}}}
     if before.loop_lag is not None and after.loop_lag is not None:
-        delta["workers_loop_lag"] = loop_lag_summary(before.loop_lag, after.loop_lag)
+        for process in ("workers", "snac"):  # the SNAC process's: the loop that carries every peer's audio
+            if process in after.loop_lag:
+                delta[f"{process}_loop_lag"] = loop_lag_summary(before.loop_lag.get(process, {}),
+                                                                after.loop_lag[process])
     if before.snac is not None and after.snac is not None:
         d = {key: after.snac[key] - before.snac[key] for key in after.snac}
         delta["snac"] = {**snac_batching(int(d["batches"]), int(d["windows"]), d["busy_s"], wall_s),

@@ -171,6 +171,7 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("workers loop lag p95 ms <=", _fixed(0, "pipeline", "workers_loop_lag", "p95_le_ms")),
         ("workers loop lag max ms <=", _fixed(0, "pipeline", "workers_loop_lag", "max_le_ms")),
         ("workers loop lags > 10 ms", _fixed(0, "pipeline", "workers_loop_lag", "over_10ms")),
+        ("SNAC proc loop lag max ms <=", _fixed(0, "pipeline", "snac_loop_lag", "max_le_ms")),
     ]
 
 

@@ -57,7 +57,7 @@ async def test_a_blocked_loop_shows_in_the_lag_histogram_and_the_benchs_reading(
     busy, free = Metrics(), Metrics()
     busy.loop_lag_seconds.observe(0.0005)  # an earlier sample: the bench reads the difference
     before = loop_lag_buckets(merge_worker_expositions({"w0": busy.render().decode(),
-                                                        "w1": free.render().decode()}).decode())
+                                                        "w1": free.render().decode()}).decode())["workers"]
     monitor = LoopLagMonitor(busy.loop_lag_seconds.observe)
     monitor.start()
     await asyncio.sleep(0.05)
@@ -65,7 +65,7 @@ async def test_a_blocked_loop_shows_in_the_lag_histogram_and_the_benchs_reading(
     await asyncio.sleep(0.25)
     await monitor.stop()
     after = loop_lag_buckets(merge_worker_expositions({"w0": busy.render().decode(),
-                                                       "w1": free.render().decode()}).decode())
+                                                       "w1": free.render().decode()}).decode())["workers"]
     summary = loop_lag_summary(before, after)
     assert summary is not None and summary["samples"] >= 3
     assert (summary["over_10ms"], summary["max_le_ms"]) == (1, 200.0)

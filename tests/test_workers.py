@@ -232,6 +232,8 @@ def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> 
     assert pipeline["server"]["cpu_s"]["worker"] > 0 and pipeline["server"]["cpu_s"]["snac"] > 0
     # the shared SNAC process decoded both users' audio: its steps, seen through the workers' merged /metrics
     assert pipeline["snac"]["batches"] > 0 and pipeline["snac"]["new_frames"] > 0
+    # every worker's event loop and the SNAC process's streams loop reported their lag over the point
+    assert pipeline["workers_loop_lag"]["samples"] > 0 and pipeline["snac_loop_lag"]["samples"] > 0
 
 def test_fault_bench_kills_the_snac_process_and_every_utterance_ends_once(workers: Workers, tmp_path: Path) -> None:
     """`bench.faults` against the running workers, the SNAC fault (seconds; a killed worker's peers take ~30 s of

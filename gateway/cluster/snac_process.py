@@ -1,14 +1,15 @@
 """The shared SNAC process of `serve --workers` (`python -m gateway.cluster.snac_process`; the supervisor starts
 and restarts it): the codec server its settings describe (`gateway.speech.codec_server`, settings as JSON in
-ORPHEUS_GATEWAY_SNAC_SERVER), and that decoder's metrics (`SnacMetrics`: passes, batch sizes, pass durations) on a
-Unix socket beside the codec socket (`metrics_socket_path`). SNAC is the pipeline's main GPU cost, so its batching
-must be visible where the decoding happens: the workers' `/metrics` gathers these with their own, labelled
-`worker="snac"`.
+ORPHEUS_GATEWAY_SNAC_SERVER), and its metrics (`SnacMetrics`: passes, batch sizes, pass durations; and the lag of
+the loop that serves the streams) on a Unix socket beside the codec socket (`metrics_socket_path`). SNAC is the
+pipeline's main GPU cost, so its batching must be visible where the decoding happens: the workers' `/metrics`
+gathers these with their own, labelled `worker="snac"`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -18,7 +19,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from gateway.cluster.lifecycle import until_stop_signal
-from gateway.service.metrics import CONTENT_TYPE, METRICS_PATH, SnacMetrics
+from gateway.service.loop_lag import LoopLagMonitor
+from gateway.service.metrics import CONTENT_TYPE, METRICS_PATH, SnacMetrics, loop_lag_histogram
 from gateway.speech.codec_server import SERVER_ENV, CodecServerSettings, StreamCodecServer
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,9 @@ async def serve(settings: CodecServerSettings) -> None:
     server = await asyncio.to_thread(StreamCodecServer.load, settings)  # loads SNAC, captures its graphs: seconds
     server.decoder.on_batch = metrics.observe_decode_batch
     server.start()
+    # The loop that takes every worker's frames and sends their audio back: late here is late for every peer.
+    lag = LoopLagMonitor(loop_lag_histogram(metrics.registry).observe)
+    server.run_in_loop(_start(lag))
 
     async def render(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -54,7 +59,13 @@ async def serve(settings: CodecServerSettings) -> None:
     finally:
         await runner.cleanup()
         path.unlink(missing_ok=True)
+        with contextlib.suppress(Exception):  # closing regardless
+            await asyncio.to_thread(server.run_in_loop, lag.stop())
         await asyncio.to_thread(server.close)
+
+
+async def _start(monitor: LoopLagMonitor) -> None:
+    monitor.start()  # in the loop that runs this
 
 
 def main() -> int:

@@ -29,6 +29,13 @@ WORKER_LABEL = "worker"
 METRICS_PATH = "/metrics"
 
 
+def loop_lag_histogram(registry: CollectorRegistry) -> Histogram:
+    """`orpheus_event_loop_lag_seconds` in this registry: a gateway process's loop, or the shared SNAC process's
+    streams loop (`service.loop_lag.LoopLagMonitor` feeds it)."""
+    return Histogram(LOOP_LAG_METRIC, "How late the event loop woke from a 20 ms sleep.", buckets=LOOP_LAG_BUCKETS_S,
+                     registry=registry)
+
+
 class SnacMetrics:
     """The SNAC decoder's passes: in a gateway's registry, or alone in the shared SNAC process of `serve --workers`
     (`gateway.cluster.snac_process`), whose metrics the workers' `/metrics` gathers with theirs."""
@@ -82,8 +89,7 @@ class Metrics:
                                          "Audio frames handed to the sender over 10 ms after their slot.",
                                          registry=r)
         # Why frames are late: how late this process's event loop woke from a 20 ms sleep (service.loop_lag).
-        self.loop_lag_seconds = Histogram(LOOP_LAG_METRIC, "How late the event loop woke from a 20 ms sleep.",
-                                          buckets=LOOP_LAG_BUCKETS_S, registry=r)
+        self.loop_lag_seconds = loop_lag_histogram(r)
         self.queue_depth = Gauge("orpheus_queued_utterances", "Utterances waiting in session queues.",
                                  registry=r)
         self.engine_in_flight = Gauge("orpheus_engine_requests_in_flight", "Engine requests running.",

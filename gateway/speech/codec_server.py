@@ -40,15 +40,17 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from gateway.orpheus import SAMPLE_RATE, SLOTS_PER_FRAME, Frame
 from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStats, DecodeStream, StreamDecoder
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,14 @@ class StreamCodecServer:
             self.close()
             raise
         log.info("SNAC streams served on %s", self.path)
+
+    def run_in_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` in the streams' event loop (its thread) and wait for it: what the SNAC process adds to
+        that loop (the lag monitor, `gateway.cluster.snac_process`)."""
+        if self._loop is None:
+            coroutine.close()
+            raise RuntimeError("the codec server is not started")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(CLOSE_TIMEOUT_S)
 
     def close(self) -> None:
         """Drop every connection (their clients fail their open streams), then stop the decoder and the loop."""
