@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from gateway.speech.codec_server import (
     ERROR,
     FINISH,
     LAST,
+    LEAD,
     MESSAGE,
     OPEN,
     PUSH,
@@ -224,7 +226,7 @@ def _message(kind: int, stream_id: int, payload: bytes = b"") -> bytes:
 
 
 def _push(stream_id: int, codes: list[int], lookahead: int = 1) -> bytes:
-    return _message(PUSH, stream_id, PUSH_HEAD.pack(0, lookahead) + struct.pack(f"<{len(codes)}h", *codes))
+    return _message(PUSH, stream_id, PUSH_HEAD.pack(0, lookahead, 1) + struct.pack(f"<{len(codes)}h", *codes))
 
 
 def _read_message(sock: socket.socket) -> tuple[int, int, bytes]:
@@ -242,7 +244,7 @@ def _closed(sock: socket.socket) -> bool:
 @pytest.mark.parametrize(("message", "error"), [
     (_message(9, 1), "unknown message kind 9"),
     (_message(OPEN, 1, b"xxxx"), "message kind 1 with 4 payload bytes"),
-    (_message(PUSH, 1, PUSH_HEAD.pack(0, 2)), "message kind 2 with 8 payload bytes"),  # no frames
+    (_message(PUSH, 1, PUSH_HEAD.pack(0, 2, 1)), "message kind 2 with 12 payload bytes"),  # no frames
     (MESSAGE.pack(PUSH, 1, 1 << 31), "message kind 2 with 2147483648 payload bytes"),  # refused before it is read
     (_message(FINISH, 1), "message kind 3 with 0 payload bytes"),
 ], ids=["unknown-kind", "open-with-payload", "push-without-frames", "oversized", "finish-without-lead"])
@@ -260,7 +262,7 @@ def test_a_connection_that_breaks_the_stream_protocol_gets_an_error_and_others_g
         while len(free) < STREAM_SLOTS and not deadline.wait(0.01):  # its open stream was released
             pass
         with _stream_connection(server_path) as sock:  # another connection is served
-            sock.sendall(_message(OPEN, 2) + _push(2, list(range(7))) + _message(FINISH, 2, struct.pack("<i", 0)))
+            sock.sendall(_message(OPEN, 2) + _push(2, list(range(7))) + _message(FINISH, 2, LEAD.pack(0, 1)))
             assert _read_message(sock)[0] == CHUNK
     finally:
         server.close()
@@ -277,7 +279,7 @@ def test_a_bad_stream_fails_alone_and_its_connection_goes_on(snac_weights: Any, 
                 _message(OPEN, 3), _push(3, [0] * 7, lookahead=8),
                 _message(RELEASE, 8),  # releasing an unknown stream is nothing
                 _message(OPEN, 4), _push(4, list(itertools.chain(*make_frames(2, seed=4)))),
-                _message(FINISH, 4, struct.pack("<i", 250)),
+                _message(FINISH, 4, LEAD.pack(250, 0)),
             ]))
             errors: dict[int, str] = {}
             samples = 0
@@ -391,3 +393,21 @@ async def test_the_synthesizer_speaks_through_the_shared_stream_decoder(synthesi
     finally:
         decoder.close()
         server.close()
+
+
+def test_a_waiting_listeners_lead_holds_until_its_audio_is_sent() -> None:
+    """The server's model of a client's lead: reported as not running (the listener waits for this stream's first
+    audio), it stays as reported; from the first audio sent it runs down in real time; a running lead runs down
+    from its report."""
+    from gateway.speech.codec_server import _ClientLead
+
+    lead = _ClientLead()
+    lead.report(0, runs=False)
+    time.sleep(0.05)
+    assert lead() == 0.0
+    lead.sent(2400)  # 100 ms of audio: the listener starts playing it
+    time.sleep(0.05)
+    assert lead() <= 0.1 - 0.05 + 1e-3  # 100 ms sent, at least 50 ms played
+    lead.report(200, runs=True)
+    time.sleep(0.05)
+    assert lead() <= 0.15 + 1e-3

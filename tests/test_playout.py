@@ -312,13 +312,17 @@ async def test_the_lead_is_what_the_listener_can_play_before_it_needs_more() -> 
     assert track.lead_s("a") == 0.5 and track.lead_s("unknown") is None
     track.push_pcm("a", ms_of_pcm(400))
     assert track.lead_s("a") == pytest.approx(0.5)  # waiting for its buffer: it cannot run dry yet
+    assert not track.lead_runs("a")  # ... nor does that lead run down while it waits
     track.begin_utterance("b", 500)
     track.push_pcm("b", ms_of_pcm(600))
     assert track.lead_s("b") == pytest.approx(0.38 + 0.58)  # a's queued audio plays first
+    assert not track.lead_runs("b")  # a is not playing yet
     track.push_pcm("a", ms_of_pcm(200))
     await track.recv()  # starts a
     assert track.lead_s("a") == pytest.approx(0.56)
     assert track.lead_s("b") == pytest.approx(0.56 + 0.58)
+    assert track.lead_runs("a") and track.lead_runs("b")  # a plays: both leads run down
+    assert track.lead_runs("unknown")
     for _ in range(10):
         await track.recv()
     assert track.lead_s("a") == pytest.approx(0.36)

@@ -102,8 +102,9 @@ class Speaker:
             return
         feed = self.lesson.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
         # The decoder's deadline for this utterance is the track's: what it holds of it, or will when it starts.
-        utterance.stats = stats = UtteranceStats(started=utterance.received_at,
-                                                 playout_lead_s=functools.partial(self.track.lead_s, utterance.id))
+        utterance.stats = stats = UtteranceStats(
+            started=utterance.received_at, playout_lead_s=functools.partial(self.track.lead_s, utterance.id),
+            playout_lead_runs=functools.partial(self.track.lead_runs, utterance.id))
         try:
             async for chunk in synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats):
                 if chunk.first_of_sentence:

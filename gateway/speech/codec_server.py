@@ -16,18 +16,21 @@ The protocol. Both ends first send the 8 bytes STREAM_HELLO; a server answers an
 error (ERROR on ALL_STREAMS, below) and closes; a client that does not get them back fails its streams. Then
 messages, little-endian: u32 kind, u32 stream id, u32 payload bytes (<= MAX_MESSAGE_BYTES), payload:
   client  OPEN 1     -
-          PUSH 2     i32 lead_ms, u32 lookahead (0..7), then n x 7 int16 codes (1 <= n <= MAX_PUSH_FRAMES)
-          FINISH 3   i32 lead_ms
+          PUSH 2     i32 lead_ms, u32 lookahead (0..7), u32 lead_runs (0|1), then n x 7 int16 codes
+                     (1 <= n <= MAX_PUSH_FRAMES)
+          FINISH 3   i32 lead_ms, u32 lead_runs
           RELEASE 4  -  (the sentence is over, whatever state it is in; the id is free again)
   server  CHUNK 5    u32 last (1: the stream's last audio), then int16 PCM
           END 6      -  (all of the stream's audio is out)
           ERROR 7    UTF-8 text: that stream failed and gets nothing more; stream id ALL_STREAMS: the connection
                      broke the protocol (an unknown kind, a payload of the wrong size) and is closed
 `lead_ms` is how far the client's audio out runs ahead of real time; the server carries it on (less the time since,
-plus the audio sent since) for the decoder's deadline order. A stream's own trouble (bad codes, a push after its
-finish, no free slot, an unknown or reused id, more than MAX_STREAM_FRAMES frames) fails that stream only. A closed
-connection releases its streams; a client whose connection breaks (the server died or restarted) fails its open
-streams with the reason, and its next stream connects anew.
+plus the audio sent since) for the decoder's deadline order. `lead_runs` 0: the listener waits for this stream's
+first audio (or its buffer to fill), so the lead holds until the server sends audio, and runs from then on. A
+stream's own trouble (bad codes, a push after its finish, no free slot, an unknown or reused id, more than
+MAX_STREAM_FRAMES frames) fails that stream only. A closed connection releases its streams; a client whose
+connection breaks (the server died or restarted) fails its open streams with the reason, and its next stream
+connects anew.
 """
 
 from __future__ import annotations
@@ -58,11 +61,11 @@ CLOSE_TIMEOUT_S = 10.0
 SERVER_ENV = "ORPHEUS_GATEWAY_SNAC_SERVER"  # CodecServerSettings as JSON, set by the supervisor
 
 # --- the protocol (module docstring) ---
-STREAM_HELLO = b"SNACSTR1"
+STREAM_HELLO = b"SNACSTR2"  # 2: PUSH and FINISH carry lead_runs
 MESSAGE = struct.Struct("<III")  # kind, stream id, payload bytes
 OPEN, PUSH, FINISH, RELEASE, CHUNK, END, ERROR = range(1, 8)
-PUSH_HEAD = struct.Struct("<iI")  # lead_ms, lookahead
-LEAD = struct.Struct("<i")  # lead_ms
+PUSH_HEAD = struct.Struct("<iII")  # lead_ms, lookahead, lead_runs
+LEAD = struct.Struct("<iI")  # lead_ms, lead_runs
 LAST = struct.Struct("<I")  # a chunk ends its stream
 ALL_STREAMS = 0xFFFFFFFF  # the stream id of a connection's own error
 FRAME_BYTES = SLOTS_PER_FRAME * 2
@@ -189,20 +192,26 @@ class StreamCodecServer:
 
 class _ClientLead:
     """A remote stream's deadline for the decoder's order (`DecodeStream.lead_s`): the lead its client last
-    reported, less the time since, plus the audio sent to it since."""
+    reported, less the time since, plus the audio sent to it since. A lead reported as not running (the listener
+    waits for this stream's first audio) holds until audio is sent, and runs from then on: run down from its
+    report, it made the first audio's hold wait for a listener that was not playing (over WebRTC, first audio
+    ~100-120 ms later than in process at 128 and 256 peers, H100 2026-12-06)."""
 
     def __init__(self) -> None:
         self._lead_s = 0.0
         self._at = time.monotonic()
+        self._runs = True
 
-    def report(self, lead_ms: int) -> None:
-        self._lead_s, self._at = lead_ms / 1000, time.monotonic()
+    def report(self, lead_ms: int, runs: bool) -> None:
+        self._lead_s, self._at, self._runs = lead_ms / 1000, time.monotonic(), runs
 
     def sent(self, samples: int) -> None:
+        if not self._runs:  # the listener plays from this audio on
+            self._runs, self._at = True, time.monotonic()
         self._lead_s += samples / SAMPLE_RATE
 
     def __call__(self) -> float:
-        return self._lead_s - (time.monotonic() - self._at)
+        return self._lead_s - (time.monotonic() - self._at) if self._runs else self._lead_s
 
 
 @dataclass(eq=False)
@@ -253,7 +262,8 @@ class _StreamConnection:
         elif (remote := self._streams.get(stream_id)) is None:
             self._send(ERROR, stream_id, f"stream {stream_id} is not open".encode())
         elif kind == FINISH:
-            remote.lead.report(LEAD.unpack(payload)[0])
+            lead_ms, runs = LEAD.unpack(payload)
+            remote.lead.report(lead_ms, bool(runs))
             self.decoder.finish(remote.stream)
         else:
             self._push(stream_id, remote, payload)
@@ -271,7 +281,7 @@ class _StreamConnection:
         self._streams[stream_id] = remote
 
     def _push(self, stream_id: int, remote: _RemoteStream, payload: bytes) -> None:
-        lead_ms, lookahead = PUSH_HEAD.unpack_from(payload)
+        lead_ms, lookahead, runs = PUSH_HEAD.unpack_from(payload)
         count = (len(payload) - PUSH_HEAD.size) // FRAME_BYTES
         if remote.frames + count > MAX_STREAM_FRAMES:
             self._fail(stream_id, f"a stream has at most {MAX_STREAM_FRAMES} frames")
@@ -279,7 +289,7 @@ class _StreamConnection:
         codes = np.frombuffer(payload, dtype="<i2", offset=PUSH_HEAD.size).reshape(count, SLOTS_PER_FRAME)
         frames: list[Frame] = [tuple(row) for row in codes.tolist()]  # type: ignore[misc]
         remote.frames += count
-        remote.lead.report(lead_ms)
+        remote.lead.report(lead_ms, bool(runs))
         remote.stream.lookahead = lookahead  # read once its head is ready, as in-process
         # The decoder checks the codes and `bridge` the lookahead: a bad one fails this stream.
         self.decoder.push(remote.stream, frames)
@@ -353,7 +363,8 @@ class CodecStreamClient:
         self._where: dict[DecodeStream, tuple[_StreamLink, int]] = {}
         self._closed = False
 
-    def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD) -> DecodeStream:
+    def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD, *,
+             lead_runs: Callable[[], bool] | None = None) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
         loop = asyncio.get_running_loop()
@@ -361,6 +372,8 @@ class CodecStreamClient:
         if link is None or link.broken or link.loop is not loop:
             link = self._link = _StreamLink(self.path, loop, self.connect_timeout_s)
         stream = DecodeStream(loop, lead_s, lookahead)
+        if lead_runs is not None:
+            stream.lead_runs = lead_runs
         stream_id = next(self._ids) % ALL_STREAMS
         link.open(stream_id, stream)
         self._where[stream] = (link, stream_id)
@@ -372,12 +385,12 @@ class CodecStreamClient:
         link, stream_id = where
         codes = np.asarray(frames, dtype="<i2")
         for at in range(0, len(codes), MAX_PUSH_FRAMES):
-            link.send(PUSH, stream_id, PUSH_HEAD.pack(_lead_ms(stream), stream.lookahead)
+            link.send(PUSH, stream_id, PUSH_HEAD.pack(_lead_ms(stream), stream.lookahead, stream.lead_runs())
                       + codes[at:at + MAX_PUSH_FRAMES].tobytes())
 
     def finish(self, stream: DecodeStream) -> None:
         if (where := self._where.get(stream)) is not None:
-            where[0].send(FINISH, where[1], LEAD.pack(_lead_ms(stream)))
+            where[0].send(FINISH, where[1], LEAD.pack(_lead_ms(stream), stream.lead_runs()))
 
     def release(self, stream: DecodeStream) -> None:
         """The sentence is over (done, failed or cancelled): the server frees its slot."""

@@ -129,6 +129,9 @@ class DecodeStream:
     loop: asyncio.AbstractEventLoop
     lead_s: Callable[[], float]  # how far this utterance's audio out runs ahead of real time (the deadline)
     lookahead: int = FIRST_AUDIO_LOOKAHEAD  # frames the first audio waits for beyond its own (0: at one frame)
+    # Whether lead_s runs down now (a shared SNAC process models the lead between reports; in-process it is read
+    # live and this is not needed): not while the listener waits for this stream's first audio.
+    lead_runs: Callable[[], bool] = field(default=lambda: True)
     chunks: asyncio.Queue[tuple[np.ndarray, bool] | BaseException | None] = field(default_factory=asyncio.Queue)
     handle: StreamHandle | None = None  # worker thread only
     started: bool = False  # worker thread only: its first audio went out
@@ -177,11 +180,15 @@ class StreamDecoder:
         self._thread.start()
 
     # --- event-loop side --------------------------------------------------------------------------
-    def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD) -> DecodeStream:
+    def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD, *,
+             lead_runs: Callable[[], bool] | None = None) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
         # Nothing goes to the worker yet (see the module docstring): `_send` opens it with its first command.
-        return DecodeStream(asyncio.get_running_loop(), lead_s, lookahead)
+        stream = DecodeStream(asyncio.get_running_loop(), lead_s, lookahead)
+        if lead_runs is not None:
+            stream.lead_runs = lead_runs
+        return stream
 
     def push(self, stream: DecodeStream, frames: Sequence[Frame]) -> None:
         self._send("push", stream, (list(frames), time.perf_counter()))

@@ -106,6 +106,10 @@ class UtteranceStats:
     # lesson peers ran dry 0.9-1.6 s into their audio when the lead was modelled from the first audio, because a
     # buffer filled fast starts playback sooner).
     playout_lead_s: Callable[[], float | None] | None = None
+    # Whether that lead is running down now (`PlayoutTrack.lead_runs`): not while the listener waits for this
+    # utterance's first audio or its buffer to fill. The shared SNAC process models the lead between the reports
+    # it gets, and without this ran a waiting listener's lead down, which held first audio longer.
+    playout_lead_runs: Callable[[], bool] | None = None
     first_token_at: float | None = None
     first_window_at: float | None = None  # the first frames went to the SNAC decoder (first audio = this + decode)
     first_audio_at: float | None = None
@@ -333,7 +337,7 @@ class Synthesizer:
     def _sentence_feed(self, index: int, sentence: str, stats: UtteranceStats,
                        chunks: asyncio.Queue[Any]) -> _StreamFeed:
         """A stream of the decoder for this sentence's frames, and the task that puts its audio into `chunks`."""
-        stream = self.decoder.open(lambda: self._lead_s(stats))
+        stream = self.decoder.open(lambda: self._lead_s(stats), lead_runs=lambda: self._lead_runs(stats))
         task = asyncio.create_task(self._decode_stream(stream, index, sentence, stats, chunks))
         return _StreamFeed(self.decoder, stream, task, stats)
 
@@ -359,6 +363,14 @@ class Synthesizer:
         if stats.first_audio_at is None:
             return stats.listener_buffer_s
         return stats.samples / SAMPLE_RATE - (time.monotonic() - stats.first_audio_at) + stats.listener_buffer_s
+
+    @staticmethod
+    def _lead_runs(stats: UtteranceStats) -> bool:
+        """Whether `_lead_s` runs down now: as the playout says where it is known, else once the first audio is
+        out (before, the modelled listener waits for it)."""
+        if stats.playout_lead_runs is not None:
+            return stats.playout_lead_runs()
+        return stats.first_audio_at is not None
 
     def _put(self, chunks: asyncio.Queue[Any], pcm: np.ndarray, index: int, sentence: str, first: bool,
              stats: UtteranceStats, last: bool) -> bool:
