@@ -370,6 +370,34 @@ def test_device_stage_folders_fit_a_call_and_join_back_to_the_same_files(tmp_pat
         pack.join(stage)
 
 
+def test_views_read_a_kept_run_again_with_other_client_buffers(tmp_path: Path, capsys: Any) -> None:
+    """bench.views: a stream whose frame comes 30 ms late stalls with no client buffer and plays with 40 ms; one the
+    server ran dry stalls in every view; a run without arrivals is refused."""
+    import gzip
+
+    from bench import views
+
+    frames = [[100.0 + 20 * i + (30 if i >= 10 else 0), 20.0] for i in range(50)]
+    on_time = [[100.0 + 20 * i, 20.0] for i in range(50)]
+    request = {"index": 0, "lang": "en", "size": "short", "chars": 10, "sent_at_s": 0.0, "ok": True}
+    point = {"users": 3, "requests": [
+        {**request, "user": 0, "arrivals": frames, "server": {"underruns": 0}},
+        {**request, "user": 1, "arrivals": on_time, "server": {"underruns": 1}},
+        {**request, "user": 2, "arrivals": on_time, "server": {"underruns": 0}}]}
+    run = {"options": {"stall_tolerance_ms": 10.0, "listener_buffer_ms": 0},
+           "scenarios": [{"scenario": "streaming", "level": "webrtc", "points": [point]}]}
+    path = tmp_path / "bench.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(run, f)
+    assert {b: (v["streams_stalled"], v["realtime_users"])
+            for b, v in views.point_views(point["requests"], 3, [0, 40], 10.0).items()} == {0: (2, 1), 40: (1, 2)}
+    assert views.main([str(path), "--buffers-ms", "0,40"]) == 0
+    assert "| 3 | 2 / 1 | 1 / 2 |" in capsys.readouterr().out
+    del point["requests"][0]["arrivals"]
+    with pytest.raises(SystemExit, match="keep-arrivals"):
+        views.point_views(point["requests"], 3, [0], 10.0)
+
+
 def test_stalls_are_placed_in_moments_and_client_processes() -> None:
     """Streams of two client processes that stall at the same moment of the point's clock are one moment, whatever
     their sending times; a third process's stall half a second later is another; a stall counted from a server
