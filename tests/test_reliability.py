@@ -528,8 +528,8 @@ async def test_snac_decode_failure_fails_that_utterance_only(
                     yield chunk
         return tagged()
 
-    def open_stream(lead_s: Callable[[], float], lookahead: int = 1) -> DecodeStream:
-        stream = real_open(lead_s, lookahead)
+    def open_stream(lead_s: Callable[[], float], lookahead: int = 1, **kwargs: Any) -> DecodeStream:
+        stream = real_open(lead_s, lookahead, **kwargs)
         if FAULTY_UTTERANCE.get():
             faulty.append(stream)
         return stream

@@ -165,6 +165,24 @@ async def test_cancelled_task_aborts_engine_request(synthesizer: Synthesizer) ->
     await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
 
 
+async def test_a_decoder_that_cannot_open_a_stream_fails_the_utterance(synthesizer: Synthesizer,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder refuses a sentence's stream (closed, or the shared SNAC process unreachable): the utterance
+    raises that error at once, no task is left behind, and the next utterance speaks."""
+    def refuse(*args: Any, **kwargs: Any) -> DecodeStream:
+        raise RuntimeError("decoder is closed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(synthesizer.decoder, "open", refuse)
+        with pytest.raises(RuntimeError, match="decoder is closed"):
+            async with asyncio.timeout(30):  # it hung here before: nothing woke the utterance
+                async for _ in synthesizer.utterance("This cannot be decoded.", "tara", max_tokens=70, seed=3):
+                    pass
+    assert sentence_tasks() == []
+    chunks = [c async for c in synthesizer.utterance("This one can.", "tara", max_tokens=70, seed=3)]
+    assert sum(len(c.pcm) for c in chunks) > 0
+
+
 @pytest.mark.parametrize(("fast_start_ms", "first_lookahead"), [(0.0, 1), (1e6, 0)])
 async def test_first_audio_skips_its_lookahead_only_when_the_next_frames_come_in_time(
         synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch, fast_start_ms: float, first_lookahead: int) -> None:

@@ -278,9 +278,10 @@ class Synthesizer:
         Generation runs here; the decoded audio comes beside it in `_decode_stream`.
         """
         parser = AudioTokenParser()
-        feed = self._sentence_feed(index, sentence, stats, chunks)
-        decoding = feed.task
+        feed: _StreamFeed | None = None  # inside the try: a decoder that cannot open a stream fails the sentence
         try:
+            feed = self._sentence_feed(index, sentence, stats, chunks)  # (left outside, it hung the utterance)
+            decoding = feed.task
             prompt = build_prompt(self.tokenizer, voice, sentence)
             if self.config.max_tokens_per_char > 0:
                 max_tokens = sentence_token_cap(len(sentence), self.config.max_tokens_per_char,
@@ -310,15 +311,17 @@ class Synthesizer:
             await decoding
         except BaseException as exc:
             generated.set()
-            decoding.cancel()
-            await asyncio.wait([decoding])  # leave no task behind; a second cancel still propagates
-            if not decoding.cancelled():
-                decoding.exception()  # retrieved: the error that matters is `exc`
+            if feed is not None:
+                feed.task.cancel()
+                await asyncio.wait([feed.task])  # leave no task behind; a second cancel still propagates
+                if not feed.task.cancelled():
+                    feed.task.exception()  # retrieved: the error that matters is `exc`
             if not isinstance(exc, asyncio.CancelledError):
                 chunks.put_nowait(exc)
             raise
         finally:
-            feed.release()
+            if feed is not None:
+                feed.release()
             stats.frames += parser.stats.frames
             stats.ignored_ids += parser.stats.ignored_ids
             stats.dropped_tokens += parser.stats.dropped_tokens
