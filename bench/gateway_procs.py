@@ -15,7 +15,9 @@ from typing import Any
 
 import psutil
 
+from bench.records import MS
 from gateway.cluster.workers import VLLM_CLI_MODULE
+from gateway.media.playout import LATE_FRAME_S
 
 WORKER_MODULE = "gateway.cluster.workers"
 SNAC_MODULE = "gateway.cluster.snac_process"
@@ -26,8 +28,6 @@ API_SERVER_TITLE = "APIServer"
 ENGINE_CORE_TITLE = "EngineCore"
 ENGINE_WORKER_TITLE = "VLLM::Worker"  # the model runner, where the engine core runs it in another process
 KINDS = ("supervisor", "worker", "snac", "vllm", "engine-core", "engine-worker", "other")
-LATE_LAG_S = 0.01  # a lag that makes a playout frame late (`done.late_frames` counts frames over 10 ms late)
-MS_PER_S = 1000.0
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,10 @@ def loop_lag_summary(before: dict[float, float], after: dict[float, float]) -> d
 
     def bound_of(rank: float) -> float | None:
         bound = next(b for b, count in delta.items() if count >= rank)
-        return None if math.isinf(bound) else round(bound * MS_PER_S, 1)
+        return None if math.isinf(bound) else round(bound * MS, 1)
 
-    over_10ms = total - max((count for b, count in delta.items() if b <= LATE_LAG_S), default=0.0)
+    # a lag over LATE_FRAME_S (10 ms) makes a playout frame late (`done.late_frames`)
+    over_10ms = total - max((count for b, count in delta.items() if b <= LATE_FRAME_S), default=0.0)
     return {"samples": int(total), "over_10ms": int(over_10ms), "p95_le_ms": bound_of(0.95 * total),
             "max_le_ms": bound_of(total)}
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.records import MS, RequestRecord, apply_arrivals, summarize
+from bench.records import MS, RequestRecord, apply_arrivals, count_server_underruns, summarize
 from bench.settings import DEFAULT_STALL_TOLERANCE_MS
 
 
@@ -41,9 +41,9 @@ def point_views(requests: Sequence[dict[str, Any]], users: int, client_buffers_m
                                client_process=kept.get("client_process"))
         apply_arrivals(record, [(t / MS, d / MS) for t, d in kept["arrivals"]], client_buffers_ms, tolerance_ms,
                        keep=False)
-        if (kept.get("server") or {}).get("underruns"):  # the server ran it dry: stalled in every view
-            for played in record.playback.values():
-                played["stalled"] = True
+        record.server = kept.get("server")
+        for buffer in client_buffers_ms:  # the server ran it dry: stalled in every view
+            count_server_underruns(record, buffer)
         records.append(record)
     played = summarize(records, users, client_buffers_ms)["playback"]
     return {buffer: played[str(buffer)] for buffer in client_buffers_ms}

@@ -411,12 +411,11 @@ class PlayoutTrack(MediaStreamTrack):
         """Whether `lead_s` is running down now: the listener plays this utterance, or one ahead of it. Not while
         it waits for this one's first audio or for its jitter buffer to fill: that lead holds until the audio
         comes (a remote decoder, which models the lead between reports, must not run it down). True for an
-        utterance not queued (nothing to hold for)."""
+        utterance not queued (nothing to hold for). Called on the event loop, unlike `lead_s`: no copy needed."""
         utt = self._by_id.get(utterance_id)
         if utt is None or utt.started:
             return True
-        queue = tuple(self._queue)
-        return bool(queue) and queue[0] is not utt and queue[0].started
+        return bool(self._queue) and self._queue[0] is not utt and self._queue[0].started
 
     def played_ms(self, utterance_id: str) -> int | None:
         """Audio of a queued utterance returned so far (underrun silence not counted); None if not queued."""

@@ -51,7 +51,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gateway.orpheus import SAMPLE_RATE, SLOTS_PER_FRAME, Frame
-from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStats, DecodeStream, StreamDecoder
+from gateway.speech.stream_decoder import (
+    FIRST_AUDIO_LOOKAHEAD,
+    DecodeStats,
+    DecodeStream,
+    StreamDecoder,
+    lead_always_runs,
+)
 
 T = TypeVar("T")
 
@@ -364,16 +370,14 @@ class CodecStreamClient:
         self._closed = False
 
     def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD, *,
-             lead_runs: Callable[[], bool] | None = None) -> DecodeStream:
+             lead_runs: Callable[[], bool] = lead_always_runs) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
         loop = asyncio.get_running_loop()
         link = self._link
         if link is None or link.broken or link.loop is not loop:
             link = self._link = _StreamLink(self.path, loop, self.connect_timeout_s)
-        stream = DecodeStream(loop, lead_s, lookahead)
-        if lead_runs is not None:
-            stream.lead_runs = lead_runs
+        stream = DecodeStream(loop, lead_s, lookahead, lead_runs)
         stream_id = next(self._ids) % ALL_STREAMS
         link.open(stream_id, stream)
         self._where[stream] = (link, stream_id)

@@ -95,6 +95,11 @@ TICK_MS_BUCKETS = 1001  # DecodeStats.tick_ms: 0..999 ms, then 1 s or more
 THREAD_NAME = "snac-stream-decoder"  # the worker thread (bench.probes reads its CPU time by this name)
 
 
+def lead_always_runs() -> bool:
+    """A stream's `lead_runs` where nobody says otherwise: its listener plays (the lead runs down in real time)."""
+    return True
+
+
 Command = tuple[str, "DecodeStream", Any]  # (open | push | finish | close, the stream, its payload)
 
 
@@ -131,7 +136,7 @@ class DecodeStream:
     lookahead: int = FIRST_AUDIO_LOOKAHEAD  # frames the first audio waits for beyond its own (0: at one frame)
     # Whether lead_s runs down now (a shared SNAC process models the lead between reports; in-process it is read
     # live and this is not needed): not while the listener waits for this stream's first audio.
-    lead_runs: Callable[[], bool] = field(default=lambda: True)
+    lead_runs: Callable[[], bool] = lead_always_runs
     chunks: asyncio.Queue[tuple[np.ndarray, bool] | BaseException | None] = field(default_factory=asyncio.Queue)
     handle: StreamHandle | None = None  # worker thread only
     started: bool = False  # worker thread only: its first audio went out
@@ -181,14 +186,11 @@ class StreamDecoder:
 
     # --- event-loop side --------------------------------------------------------------------------
     def open(self, lead_s: Callable[[], float], lookahead: int = FIRST_AUDIO_LOOKAHEAD, *,
-             lead_runs: Callable[[], bool] | None = None) -> DecodeStream:
+             lead_runs: Callable[[], bool] = lead_always_runs) -> DecodeStream:
         if self._closed:
             raise RuntimeError("decoder is closed")
         # Nothing goes to the worker yet (see the module docstring): `_send` opens it with its first command.
-        stream = DecodeStream(asyncio.get_running_loop(), lead_s, lookahead)
-        if lead_runs is not None:
-            stream.lead_runs = lead_runs
-        return stream
+        return DecodeStream(asyncio.get_running_loop(), lead_s, lookahead, lead_runs)
 
     def push(self, stream: DecodeStream, frames: Sequence[Frame]) -> None:
         self._send("push", stream, (list(frames), time.perf_counter()))
