@@ -92,20 +92,29 @@ SNAC_SAMPLES = {
     "orpheus_snac_batch_size_sum": "windows",  # stream-steps
     "orpheus_snac_batch_seconds_sum": "busy_s",
     "orpheus_snac_new_frames_total": "frames",
+    "orpheus_snac_first_audio_hold_seconds_count": "first_audios",
+    "orpheus_snac_first_audio_hold_seconds_sum": "start_hold_s",
+    "orpheus_snac_start_pace_seconds_count": "paced_starts",
+    "orpheus_snac_start_pace_seconds_sum": "start_pace_s",
 }
 METRICS_TIMEOUT_S = 5.0
 
 
 def snac_counters(exposition: str) -> dict[str, float]:
-    """SNAC's steps, stream-steps, step seconds and new frames so far, from a Prometheus text exposition."""
+    """SNAC's steps, stream-steps, step seconds and new frames so far, and its first audios (how many, how many from
+    the exact stream, their holds and the paces they were planned at, summed), from a Prometheus text exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = dict.fromkeys(SNAC_SAMPLES.values(), 0.0)
+    from gateway.service.metrics import FIRST_AUDIO_HOLD_METRIC, START_LABEL
+
+    totals = dict.fromkeys((*SNAC_SAMPLES.values(), "exact_starts"), 0.0)
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             key = SNAC_SAMPLES.get(sample.name)
             if key is not None:
                 totals[key] += sample.value
+            if sample.name == f"{FIRST_AUDIO_HOLD_METRIC}_count" and sample.labels.get(START_LABEL) == "exact":
+                totals["exact_starts"] += sample.value
     return totals
 
 

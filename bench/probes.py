@@ -46,6 +46,10 @@ class CpuSnapshot:
     snac_bridge_s: float  # the decoder's time in bridge decodes
     snac_wakeups: int  # times the decoder's worker took commands from the event loop
     snac_exact_starts: int  # sentences whose first audio came from the exact stream, no bridge
+    snac_first_audios: int  # sentences whose first audio went out (DecodeStats.first_audios)
+    snac_start_hold_s: float  # summed over them: from the head ready to the first audio
+    snac_paced_starts: int  # those planned at a pace read
+    snac_start_pace_s: float  # summed over those: the seconds per frame read
     host_busy_s: float  # every core of the machine, all processes (the gateway's, vLLM's, the clients')
 
 
@@ -77,7 +81,8 @@ def cpu_snapshot(decoder: Any, client_pids: Collection[int] = (), gateway_pids: 
                        stats.batches, stats.windows, stats.frames, stats.window_frames, stats.busy_s,
                        stats.held_steps, list(stats.tick_ms),
                        decoder.snac.stats.approx_frames if decoder is not None else 0, stats.bridge_s, stats.wakeups,
-                       stats.exact_starts, host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
+                       stats.exact_starts, stats.first_audios, stats.start_hold_s, stats.paced_starts,
+                       stats.start_pace_s, host_busy_s=sum(host) - host.idle - getattr(host, "iowait", 0.0))
 
 
 def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
@@ -129,6 +134,10 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "worker_wakeups_per_s": round((after.snac_wakeups - before.snac_wakeups) / wall, 1) if wall > 0 else None,
             # first audio from the exact stream, no bridge (`StreamDecoder._first_audio_at`)
             "exact_starts": after.snac_exact_starts - before.snac_exact_starts,
+            **first_audio_starts(after.snac_first_audios - before.snac_first_audios,
+                                 after.snac_start_hold_s - before.snac_start_hold_s,
+                                 after.snac_paced_starts - before.snac_paced_starts,
+                                 after.snac_start_pace_s - before.snac_start_pace_s),
             "windows_per_new_frame": round(windows / frames, 3) if frames else None,
         },
     }
@@ -145,6 +154,14 @@ def snac_batching(batches: int, windows: int, busy_s: float, wall_s: float) -> d
         "busy_share": round(busy_s / wall_s, 3) if wall_s > 0 else None,
         "ms_per_batch": round(busy_s / batches * MS, 2) if batches else None,
     }
+
+
+def first_audio_starts(first_audios: float, hold_s: float, paced: float, pace_s: float) -> dict[str, Any]:
+    """A point's first audios (in this process or, from its /metrics, in a gateway elsewhere): how many, their mean
+    hold from the head ready to the audio, and the mean generation pace they were planned at (ms per frame)."""
+    return {"first_audios": int(first_audios),
+            "start_hold_ms": round(hold_s / first_audios * MS, 1) if first_audios else None,
+            "start_pace_ms": round(pace_s / paced * MS, 1) if paced else None}
 
 
 def longest_tick_ms(before: list[int], after: list[int]) -> int | None:
@@ -183,7 +200,9 @@ def gateway_delta(before: GatewaySnapshot, after: GatewaySnapshot, wall_s: float
     if before.snac is not None and after.snac is not None:
         d = {key: after.snac[key] - before.snac[key] for key in after.snac}
         delta["snac"] = {**snac_batching(int(d["batches"]), int(d["windows"]), d["busy_s"], wall_s),
-                         "new_frames": int(d["frames"])}
+                         "new_frames": int(d["frames"]), "exact_starts": int(d["exact_starts"]),
+                         **first_audio_starts(d["first_audios"], d["start_hold_s"], d["paced_starts"],
+                                              d["start_pace_s"])}
     return delta
 
 

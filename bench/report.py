@@ -163,6 +163,10 @@ def pipeline_columns(axis: str) -> list[Column]:
         ("bridge busy", _percent("pipeline", "snac", "bridge_busy_share")),
         ("decoder wake-ups/s", _fixed(0, "pipeline", "snac", "worker_wakeups_per_s")),
         ("exact starts", _fixed(0, "pipeline", "snac", "exact_starts")),
+        ("first audios", _fixed(0, "pipeline", "snac", "first_audios")),
+        # the decoder's own view of a start: from the head ready to the first audio, and the pace it planned at
+        ("start hold ms", _fixed(0, "pipeline", "snac", "start_hold_ms")),
+        ("pace at start ms/frame", _fixed(0, "pipeline", "snac", "start_pace_ms")),
         ("longest tick ms", _fixed(0, "pipeline", "snac", "longest_tick_ms")),
         ("generation done p50 ms", _ms("summary", "generated_ms", "p50")),
         ("loop lag p95 ms", _fixed(1, "pipeline", "loop_lag_ms", "p95")),

@@ -124,6 +124,8 @@ def _check_point(point: dict[str, Any], level: str, users: int = 2) -> None:
         # each sentence starts from the bridge or (at a slow pace, as this CPU's) from the exact stream
         assert snac["bridge_frames"] > 0 or snac["exact_starts"] > 0
         assert snac["worker_wakeups_per_s"] > 0
+        # every request's first sentence started, with its hold from the head in counted
+        assert snac["first_audios"] >= users and snac["start_hold_ms"] is not None and snac["start_hold_ms"] >= 0
 
 
 def _png_signature(path: str) -> bytes:
@@ -508,10 +510,15 @@ def test_snac_counters_sum_every_decoder_in_a_merged_exposition() -> None:
     first.observe_decode_batch(64, 0.004, 1, 64)
     first.observe_decode_batch(32, 0.002, 1, 30)
     second.observe_decode_batch(8, 0.001, 1, 8)
+    first.observe_first_audio(True, 0.2, 0.06)
+    second.observe_first_audio(False, 0.05, None)  # a fast start: no pace read
+    second.observe_first_audio(False, 0.1, 0.04)
     merged = merge_worker_expositions({"w0": first.render().decode(), "snac": second.render().decode(),
                                        "w1": Metrics().render().decode()})
     totals = snac_counters(merged.decode())
-    assert totals == {"batches": 3, "windows": 104, "busy_s": pytest.approx(0.007), "frames": 102}
+    assert totals == {"batches": 3, "windows": 104, "busy_s": pytest.approx(0.007), "frames": 102,
+                      "first_audios": 3, "start_hold_s": pytest.approx(0.35), "paced_starts": 2,
+                      "start_pace_s": pytest.approx(0.1), "exact_starts": 1}
     assert snac_counters(Metrics().render().decode()) == dict.fromkeys(totals, 0.0)
 
 

@@ -712,11 +712,22 @@ async def test_a_listener_without_a_buffer_starts_after_the_wait_and_a_buffered_
     """Bridged starts only (`bridge-held`). Two streams get their frames at real-time pace, one frame at a time: the
     one whose listener plays what comes (0 ms) gets its first audio only once the hand-over's cost has passed after
     its head was in; the one whose listener buffers 1 s gets it at once, so first. Both come out whole."""
-    stream_decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2), start="bridge-held")
+    starts: list[tuple[bool, float, float | None]] = []  # the metrics hook's reports
+    stream_decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2), start="bridge-held",
+                                   on_first_audio=lambda *start: starts.append(start))
     try:
         await _held_and_buffered_starts(stream_decoder)
     finally:
         stream_decoder.close()
+    # Both from the bridge, both planned at the pace shown (one frame interval: real time); the buffered one's
+    # first (no hold), the held one's after the capped wait. The totals are the reports' sums.
+    assert [exact for exact, _, _ in starts] == [False, False]
+    assert all(pace is not None and pace == pytest.approx(FRAME_S, rel=0.5) for _, _, pace in starts)
+    assert starts[0][1] < 0.9 * MAX_START_HOLD_S <= starts[1][1]
+    stats = stream_decoder.stats
+    assert stats.first_audios == stats.paced_starts == 2 and stats.exact_starts == 0
+    assert stats.start_hold_s == pytest.approx(sum(hold for _, hold, _ in starts))
+    assert stats.start_pace_s == pytest.approx(sum(pace for _, _, pace in starts if pace is not None))
 
 
 async def _held_and_buffered_starts(stream_decoder: StreamDecoder) -> None:
@@ -831,7 +842,10 @@ async def test_a_real_time_paced_stream_starts_from_the_exact_stream_held_and_ex
     assert first_at - head_in[0] >= 0.9 * (stream_decoder.handover_lead_s - FRAME_S + EXACT_START_MARGIN_S)
     rest = await decoded_audio(stream.chunks)
     await feeder
-    assert stream.exact_start and stream_decoder.stats.exact_starts == 1
+    assert stream.exact_start and stream_decoder.stats.exact_starts == stream_decoder.stats.first_audios == 1
+    # its first audio counted with its hold (from the head in) and the real-time pace it was planned at
+    assert stream_decoder.stats.start_hold_s >= first_at - head_in[0] - 0.05
+    assert stream_decoder.stats.start_pace_s == pytest.approx(FRAME_S, rel=0.5)
     assert stream_decoder.snac.stats.approx_frames == bridged
     assert stream.handle is not None
     reference = reference_decode(snac_model, [frames], [stream.handle.seed])[0]
@@ -962,6 +976,11 @@ def test_a_sentence_starting_alone_takes_the_fast_start_at_a_slower_token_rate_t
     assert fast_start_margin_s(0.045, others_starting=63) == 0.045
     assert fast_start_margin_s(0.1, others_starting=0) == 0.1  # a larger configured margin is kept
     assert fast_start_margin_s(0.0, others_starting=0) == 0.0
+    # While others wait for their first token, none: a burst's first tokens over vllm serve, 7 in 3 ms, pass any
+    # margin, and the waiting prefills slow the next steps
+    assert fast_start_margin_s(0.045, others_starting=0, others_waiting=1) == 0.0
+    assert fast_start_in_time(7, 0.003, needed, 0.045)
+    assert not fast_start_in_time(7, 0.003, needed, fast_start_margin_s(0.045, 63, others_waiting=31))
     assert fast_start_in_time(7, 0.024, needed, fast_start_margin_s(0.045, 0))
     assert not fast_start_in_time(7, 0.024, needed, fast_start_margin_s(0.045, 1))
     assert fast_start_in_time(7, 6 * 0.0032, needed, 0.045)

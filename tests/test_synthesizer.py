@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -224,6 +224,47 @@ async def test_a_sentence_starting_alone_gets_the_wider_fast_start_margin(synthe
     synth._first_tokens.clear()
     synth._first_tokens.extend([t0 - 0.1, t0])  # one just before
     assert not synth._next_frames_in_time(7, t0, t0 + 0.024)
+    # alone again, but another sentence waits for its first token: no fast start at any rate
+    synth._first_tokens.clear()
+    synth._first_tokens.extend([t0 - 5.0, t0])
+    synth._awaiting_first_token = 1
+    assert not synth._next_frames_in_time(7, t0, t0 + 0.003)
+    synth._awaiting_first_token = 0
+    assert synth._next_frames_in_time(7, t0, t0 + 0.003)
+
+
+async def test_sentences_waiting_for_their_first_token_are_counted_until_it_comes_or_they_end(
+        synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count that holds the fast start back while prefills are pending: one while a sentence waits for its
+    first token (held here before the engine's generate starts), none once it came, and none left by a sentence
+    cancelled while it waited."""
+    real_generate = synthesizer.engine.generate
+    gate = asyncio.Event()
+
+    async def held_generate(*args: Any, **kwargs: Any) -> AsyncIterator[list[int]]:
+        await gate.wait()
+        async with contextlib.aclosing(real_generate(*args, **kwargs)) as ids:
+            async for token_ids in ids:
+                yield token_ids
+
+    monkeypatch.setattr(synthesizer.engine, "generate", held_generate)
+
+    async def speak(text: str, seed: int) -> int:
+        return sum([len(c.pcm) async for c in synthesizer.utterance(text, "tara", max_tokens=70, seed=seed)])
+
+    cancelled = asyncio.create_task(speak("Cancelled while it waits.", 13))
+    await wait_until(lambda: synthesizer._awaiting_first_token == 1)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert synthesizer._awaiting_first_token == 0
+
+    spoken = asyncio.create_task(speak("Spoken once it may.", 14))
+    await wait_until(lambda: synthesizer._awaiting_first_token == 1)
+    gate.set()
+    assert await spoken > 0
+    assert synthesizer._awaiting_first_token == 0
+    await wait_until(lambda: synthesizer.engine.unfinished_requests() == 0)
 
 
 async def test_tokens_per_char_caps_each_sentence(synthesizer: Synthesizer) -> None:

@@ -167,6 +167,12 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
     passes = {s.labels["worker"]: s.value for s in families["orpheus_snac_batch_size"].samples
               if s.name.endswith("_count")}
     assert passes["snac"] > 0 and passes.get("w0", 0) == 0 and passes.get("w1", 0) == 0, passes
+    # ... and the first audios it decoded, with their holds (`bench.run --gateway-url` reads them there)
+    starts: dict[str, float] = {}  # by worker, summed over where the audio came from (exact stream or bridge)
+    for sample in families["orpheus_snac_first_audio_hold_seconds"].samples:
+        if sample.name.endswith("_count"):
+            starts[sample.labels["worker"]] = starts.get(sample.labels["worker"], 0.0) + sample.value
+    assert starts.get("snac", 0) > 0 and starts.get("w0", 0) == starts.get("w1", 0) == 0, starts
 
 
 async def test_a_killed_worker_is_restarted(workers: Workers) -> None:

@@ -38,7 +38,7 @@ async def serve(settings: CodecServerSettings) -> None:
     """Decode for every worker and answer `GET /metrics` until SIGTERM or SIGINT."""
     metrics = SnacMetrics(CollectorRegistry())
     server = await asyncio.to_thread(StreamCodecServer.load, settings)  # loads SNAC, captures its graphs: seconds
-    server.decoder.on_batch = metrics.observe_decode_batch
+    metrics.watch(server.decoder)
     server.start()
     # The loop that takes every worker's frames and sends their audio back: late here is late for every peer.
     lag = LoopLagMonitor(loop_lag_histogram(metrics.registry).observe)

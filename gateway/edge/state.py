@@ -69,7 +69,7 @@ class GatewayState:
             self._attach(self.synthesizer)
 
     def _attach(self, synthesizer: Synthesizer) -> None:
-        synthesizer.decoder.on_batch = self.metrics.snac.observe_decode_batch
+        self.metrics.snac.watch(synthesizer.decoder)
         synthesizer.engine.on_state = self._on_engine_state
         self.metrics.track_in_flight(lambda: synthesizer.engine.in_flight)
         self.metrics.engine_ready.set(1 if synthesizer.engine.ready else 0)

@@ -9,6 +9,7 @@ Each gateway owns its registry (not the global one) so several apps can live in 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,6 +25,11 @@ PLAYED_BUCKETS_S = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0, 30.0, 60.0)
 # without a buffer hears 20 ms and more.
 LOOP_LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 LOOP_LAG_METRIC = "orpheus_event_loop_lag_seconds"
+# Generation pace a first audio was planned at, seconds per 7-token frame: real time is 0.085; an H100 at 128
+# streams makes one every ~0.04, at 384 ~0.08.
+PACE_BUCKETS_S = (0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.085, 0.1, 0.15, 0.2, 0.3)
+FIRST_AUDIO_HOLD_METRIC = "orpheus_snac_first_audio_hold_seconds"
+START_LABEL = "start"  # where a first audio came from: "exact" (the exact stream) or "bridge"
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 WORKER_LABEL = "worker"
 METRICS_PATH = "/metrics"
@@ -34,6 +40,13 @@ def loop_lag_histogram(registry: CollectorRegistry) -> Histogram:
     streams loop (`service.loop_lag.LoopLagMonitor` feeds it)."""
     return Histogram(LOOP_LAG_METRIC, "How late the event loop woke from a 20 ms sleep.", buckets=LOOP_LAG_BUCKETS_S,
                      registry=registry)
+
+
+class DecoderHooks(Protocol):
+    """What `SnacMetrics.watch` sets on a SNAC decoder (`StreamDecoder`, or the codec client standing in for it)."""
+
+    on_batch: Callable[[int, float, int, int], None] | None
+    on_first_audio: Callable[[bool, float, float | None], None] | None
 
 
 class SnacMetrics:
@@ -51,6 +64,18 @@ class SnacMetrics:
                                           ["frames"], registry=r)
         self.snac_new_frames_total = Counter("orpheus_snac_new_frames_total", "Audio frames SNAC emitted.",
                                              registry=r)
+        self.snac_first_audio_hold_seconds = Histogram(
+            FIRST_AUDIO_HOLD_METRIC, "From a sentence's first frames ready to its first audio decoded, by where "
+            "the audio came from (the start's hold for its listener's sake, and the wait for the decode).",
+            [START_LABEL], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.snac_start_pace_seconds = Histogram(
+            "orpheus_snac_start_pace_seconds", "Seconds per frame of generation a first audio was planned at.",
+            buckets=PACE_BUCKETS_S, registry=r)
+
+    def watch(self, decoder: DecoderHooks) -> None:
+        """Report this decoder's steps and first audios here."""
+        decoder.on_batch = self.observe_decode_batch
+        decoder.on_first_audio = self.observe_first_audio
 
     def observe_decode_batch(self, size: int, seconds: float, window_frames: int, new_frames: int) -> None:
         """Called from the SNAC worker thread after each step (`size` streams of `window_frames` frames each);
@@ -59,6 +84,12 @@ class SnacMetrics:
         self.snac_batch_seconds.observe(seconds)
         self.snac_windows_total.labels(frames=str(window_frames)).inc(size)
         self.snac_new_frames_total.inc(new_frames)
+
+    def observe_first_audio(self, exact: bool, hold_s: float, pace_s: float | None) -> None:
+        """Called from the SNAC worker thread when a sentence's first audio is decoded."""
+        self.snac_first_audio_hold_seconds.labels(**{START_LABEL: "exact" if exact else "bridge"}).observe(hold_s)
+        if pace_s is not None:
+            self.snac_start_pace_seconds.observe(pace_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

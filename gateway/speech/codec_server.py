@@ -363,6 +363,7 @@ class CodecStreamClient:
         # StreamDecoder's metrics hook and counters, for the synthesizer's callers: idle here, because the batches
         # run in the SNAC process, which reports them itself (gateway.cluster.snac_process).
         self.on_batch: Callable[[int, float, int, int], None] | None = None
+        self.on_first_audio: Callable[[bool, float, float | None], None] | None = None
         self.stats = DecodeStats()
         self._link: _StreamLink | None = None
         self._ids = itertools.count()

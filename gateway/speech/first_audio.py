@@ -150,10 +150,19 @@ class GenerationPace:
         return self._median
 
 
-def fast_start_margin_s(configured_s: float, others_starting: int) -> float:
+def fast_start_margin_s(configured_s: float, others_starting: int, others_waiting: int = 0) -> float:
     """The fast start's margin: the configured one (`decode_fast_start_ms`; 0 = off) where `others_starting`
-    sentences got their first tokens beside this one, at least `LONE_FAST_START_S` where none did."""
-    if configured_s <= 0 or others_starting > 0:
+    sentences got their first tokens beside this one, at least `LONE_FAST_START_S` where none did; 0 (no fast
+    start) while `others_waiting` sentences of this process wait for their first token.
+
+    A fast start bets that the token rate so far holds for two more frames. Sentences still waiting for their first
+    token have their prefills ahead of the engine, which slow its next steps; and over `vllm serve` a burst's first
+    tokens can come in one clump (7 tokens in 3 ms), a rate no engine makes. Every server underrun of 256 WebRTC
+    peers without a buffer on an H100 (6 and 8 streams in two runs, 2026-12-06 midday) was such a start: the
+    burst's first streams, first audio 3-7 ms after their first frame, dry 60 ms later and again 80-160 ms after."""
+    if configured_s <= 0 or others_waiting > 0:
+        return 0.0
+    if others_starting > 0:
         return configured_s
     return max(configured_s, LONE_FAST_START_S)
 

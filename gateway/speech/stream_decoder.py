@@ -115,6 +115,15 @@ class DecodeStats:
     wakeups: int = 0  # times the worker took commands (each wake-up takes the GIL from an event loop)
     bridge_s: float = 0.0  # in bridge decodes (first audio and pieces until the hand-over; same)
     exact_starts: int = 0  # streams whose first audio came from the exact stream (`_first_audio_at`), no bridge
+    # First audios out (`StreamDecoder._note_first_audio`): how many, and summed over them the time from the head
+    # ready to the first audio (the start's hold and the wait for its decode), and the generation pace
+    # (seconds per frame) the start was planned at, where it read one (`paced_starts` of them). Over WebRTC the
+    # hold after the first frame was 170 ms at 128 peers against 82 in process (H100, 2026-12-06 midday): these
+    # say whether the pace read is what differs.
+    first_audios: int = 0
+    start_hold_s: float = 0.0
+    paced_starts: int = 0
+    start_pace_s: float = 0.0
     held_steps: int = 0  # steps taken when the hold ran out, no stream due (the others: a stream was due)
     longest_tick_s: float = 0.0  # the longest tick (bridges and step): how long the worker answered nothing
     # Ticks by whole milliseconds (the last: TICK_MS_BUCKETS - 1 or more), so a reader can find the longest tick
@@ -151,6 +160,7 @@ class DecodeStream:
     opened: bool = False  # event-loop side only: its open went to the worker (with its first push or finish)
     start_at: float = 0.0  # worker thread only: the latest the first audio was held to so far (`_first_audio_at`)
     exact_start: bool | None = None  # worker thread only: its first audio comes from the exact stream (None: undecided)
+    start_pace_s: float | None = None  # worker thread only: the pace its start was planned at (None: read none)
 
 
 class StreamDecoder:
@@ -158,7 +168,8 @@ class StreamDecoder:
 
     def __init__(self, snac: StreamingSnac, max_batch: int = 256,
                  on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S,
-                 due_lead_s: float = DUE_LEAD_S, start: str = START_POLICIES[0]) -> None:
+                 due_lead_s: float = DUE_LEAD_S, start: str = START_POLICIES[0],
+                 on_first_audio: Callable[[bool, float, float | None], None] | None = None) -> None:
         self.snac = snac
         self.max_batch = max_batch
         self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
@@ -170,6 +181,8 @@ class StreamDecoder:
             raise ValueError(f"start must be one of {', '.join(START_POLICIES)}, not {start!r}")
         self.start = start
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
+        # (from the exact stream, seconds from the head ready, the pace planned at or None): the metrics hook
+        self.on_first_audio = on_first_audio
         # Lead at which the exact stream takes over from the bridge (`_bridge`).
         self.handover_lead_s = snac.delay_samples / SAMPLE_RATE + HANDOVER_MARGIN_S
         self.stats = DecodeStats()
@@ -365,6 +378,7 @@ class StreamDecoder:
         interval = self._pace_s(stream)
         lead = stream.lead_s()
         if stream.exact_start is None:
+            stream.start_pace_s = interval
             stream.exact_start = self.start == "exact-or-bridge" and starts_exact(
                 handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
             if stream.exact_start:
@@ -419,9 +433,25 @@ class StreamDecoder:
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed, 1, len(batch))
         pieces = [(s, p) for s, p in zip(batch, pcm, strict=True) if len(p)]
+        now = time.perf_counter()
         for stream, _ in pieces:
-            stream.started = True  # a first audio from the exact stream (a bridged one started at its bridge)
+            if not stream.started:  # a first audio from the exact stream (a bridged one started at its bridge)
+                self._note_first_audio(stream, now)
         self._deliver(pieces)
+
+    def _note_first_audio(self, stream: DecodeStream, now: float) -> None:
+        """A stream's first audio goes out now: count it, its hold (from its head ready, or its first push where a
+        sentence ended before its head) and the pace it was planned at."""
+        stream.started = True
+        since = stream.head_ready_at if stream.head_ready_at is not None else stream.first_push_at
+        hold_s = max(0.0, now - since) if since is not None else 0.0
+        self.stats.first_audios += 1
+        self.stats.start_hold_s += hold_s
+        if stream.start_pace_s is not None:
+            self.stats.paced_starts += 1
+            self.stats.start_pace_s += stream.start_pace_s
+        if self.on_first_audio is not None:
+            self.on_first_audio(bool(stream.exact_start), hold_s, stream.start_pace_s)
 
     def _keeps_bridging(self, stream: DecodeStream, bridged: int, lead_s: float) -> bool:
         """Bridge on while the lead is short of what the hand-over needs, if at the pace it grew since the last
@@ -480,8 +510,10 @@ class StreamDecoder:
                 continue
             finally:
                 self.stats.bridge_s += time.perf_counter() - t0
+            now = time.perf_counter()
             for stream in group:
-                stream.started = True
+                if not stream.started:  # its first piece (a started one's next piece is counted already)
+                    self._note_first_audio(stream, now)
             self._deliver([(s, p) for s, p in zip(group, pcm, strict=True) if len(p)])
 
     def _finish_done(self, streams: Sequence[DecodeStream] | None = None) -> None:

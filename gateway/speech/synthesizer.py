@@ -161,6 +161,9 @@ class Synthesizer:
         # When recent sentences got their first tokens (monotonic, oldest first): whether a burst starts beside one
         # decides its fast start's margin (`_next_frames_in_time`). Bounded: a burst larger than this reads as one.
         self._first_tokens: deque[float] = deque(maxlen=FIRST_TOKENS_KEPT)
+        # Sentences whose request went to the engine and whose first token has not come: their prefills are still
+        # ahead of it, so no sentence takes the fast start meanwhile (`first_audio.fast_start_margin_s`).
+        self._awaiting_first_token = 0
         # A decoder in this process is ready once built; a shared SNAC process once it listens (`start`).
         self.decoder_ready = not config.snac_socket
 
@@ -279,6 +282,7 @@ class Synthesizer:
         """
         parser = AudioTokenParser()
         feed: _StreamFeed | None = None  # inside the try: a decoder that cannot open a stream fails the sentence
+        awaiting_first_token = False  # counted in `_awaiting_first_token` (uncounted on every way out)
         try:
             feed = self._sentence_feed(index, sentence, stats, chunks)  # (left outside, it hung the utterance)
             decoding = feed.task
@@ -288,12 +292,16 @@ class Synthesizer:
                                                 max_tokens or self.config.max_tokens)
             first_token_at: float | None = None
             tokens = 0
+            self._awaiting_first_token += 1
+            awaiting_first_token = True
             async with contextlib.aclosing(self.engine.generate(prompt, max_tokens=max_tokens, seed=seed)) as ids:
                 async for token_ids in ids:
                     now = time.monotonic()
                     if first_token_at is None:
                         first_token_at = now
                         self._first_tokens.append(now)
+                        self._awaiting_first_token -= 1
+                        awaiting_first_token = False
                         if stats.first_token_at is None:
                             stats.first_token_at = now
                     tokens += len(token_ids)
@@ -320,6 +328,8 @@ class Synthesizer:
                 chunks.put_nowait(exc)
             raise
         finally:
+            if awaiting_first_token:  # ended before its first token: an error, a cancel, an empty generation
+                self._awaiting_first_token -= 1
             if feed is not None:
                 feed.release()
             stats.frames += parser.stats.frames
@@ -351,7 +361,7 @@ class Synthesizer:
         second is decoded before the first has played out."""
         since = first_token_at - FAST_START_BURST_WINDOW_S
         beside = sum(1 for _ in itertools.takewhile(lambda at: at >= since, reversed(self._first_tokens))) - 1
-        margin_s = fast_start_margin_s(self._fast_start_s, beside)
+        margin_s = fast_start_margin_s(self._fast_start_s, beside, self._awaiting_first_token)
         needed = (2 + FIRST_AUDIO_LOOKAHEAD) * SLOTS_PER_FRAME
         return fast_start_in_time(tokens, now - first_token_at, needed, margin_s)
 
