@@ -10,6 +10,8 @@ T0=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/site
 python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site $DC/gw1/*.whl $DC/bench/snac-*.whl
 echo "unpacked A + gateway deps in $(( $(date +%s) - T0 ))s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+# The host too: two machines with the same H100 differed 2x in the workers' CPU time (2026-12-06 midday)
+lscpu | grep -E '^(Model name|CPU\(s\)|CPU max MHz|BogoMIPS|L3 cache)' | tee -a $OUT/gpu.txt
 python3 -V; nproc; free -g | head -2
 PYTHONPATH=/tmp/site python3 $DC/bench/check_imports.py aiohttp,numpy,transformers,tokenizers,safetensors,matplotlib,prometheus_client,psutil,cryptography,av,snac 2>&1 | tee $OUT/imports.log
 echo "=== model"
