@@ -103,7 +103,8 @@ class GatewayConfig:
                                        "frame plays 85 ms); 0 = off. The margin covers the rate slowing as a "
                                        "burst of new streams joins the batch: with 65, 16 of 128 streams started "
                                        "together stalled 26 ms after their first frame on an H200. A sentence "
-                                       "starting alone gets at least 70 ms (first_audio.LONE_FAST_START_S).")
+                                       "starting alone gets at least 70 ms (first_audio.LONE_FAST_START_S); "
+                                       "none starts fast while another sentence waits for its first token.")
     decode_max_batch: int = _opt(256, "Most streams the SNAC decoder advances in one step (CUDA graphs are captured "
                                  "for batches up to this).")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
