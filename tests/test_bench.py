@@ -234,6 +234,24 @@ def test_decoder_schedule_compares_the_start_policies(tmp_path: Path) -> None:
     assert all(r["audio_complete"] for r in runs.values())
 
 
+def test_decoder_schedule_runs_the_same_load_in_process_and_behind_the_codec_server(tmp_path: Path) -> None:
+    """bench.decoder_schedule --decoders: the same paced streams through the decoder in this process and through a
+    StreamCodecServer on a socket; both come out whole, and each row has the decoder's own view of the starts
+    (a hold from the head in, and the pace planned at: real time here, 85 ms a frame, loosely on a busy CPU)."""
+    from bench import decoder_schedule
+
+    out = tmp_path / "where.json"
+    assert decoder_schedule.main(["--streams", "2", "--frames", "6", "--pace", "1.0", "--listener-ms", "0",
+                                  "--holds", "0.05", "--decoders", "in-process,remote", "--out", str(out)]) == 0
+    runs = {r["decoder"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"in-process", "remote"}
+    for run in runs.values():
+        assert run["audio_complete"] and run["exact_starts"] == 2
+        assert run["start_hold_ms"] > 0 and 40 < run["start_pace_ms"] < 400
+    with pytest.raises(SystemExit):
+        decoder_schedule.main(["--decoders", "elsewhere"])
+
+
 def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:
     """bench.snac_work (eager variants): a window moves ~2.5x the bytes of a stream step per new frame, the masked
     step more than the unmasked one, and snac's Snake counts as one kernel per activation."""
