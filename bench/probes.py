@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind, loop_lag_summary
+from bench.records import first_audio_starts
 from bench.timing import describe
 from gateway.service.loop_lag import LoopLagMonitor
 from gateway.speech.stream_decoder import THREAD_NAME, DecodeStats
@@ -154,14 +155,6 @@ def snac_batching(batches: int, windows: int, busy_s: float, wall_s: float) -> d
         "busy_share": round(busy_s / wall_s, 3) if wall_s > 0 else None,
         "ms_per_batch": round(busy_s / batches * MS, 2) if batches else None,
     }
-
-
-def first_audio_starts(first_audios: float, hold_s: float, paced: float, pace_s: float) -> dict[str, Any]:
-    """A point's first audios (in this process or, from its /metrics, in a gateway elsewhere): how many, their mean
-    hold from the head ready to the audio, and the mean generation pace they were planned at (ms per frame)."""
-    return {"first_audios": int(first_audios),
-            "start_hold_ms": round(hold_s / first_audios * MS, 1) if first_audios else None,
-            "start_pace_ms": round(pace_s / paced * MS, 1) if paced else None}
 
 
 def longest_tick_ms(before: list[int], after: list[int]) -> int | None:

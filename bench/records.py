@@ -203,3 +203,11 @@ def underruns_where(servers: Sequence[dict[str, Any]]) -> dict[str, int]:
 
 def _round(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
+
+
+def first_audio_starts(first_audios: float, hold_s: float, paced: float, pace_s: float) -> dict[str, Any]:
+    """A point's first audios (in this process or, from its /metrics, in a gateway elsewhere): how many, their mean
+    hold from the head ready to the audio, and the mean generation pace they were planned at (ms per frame)."""
+    return {"first_audios": int(first_audios),
+            "start_hold_ms": round(hold_s / first_audios * MS, 1) if first_audios else None,
+            "start_pace_ms": round(pace_s / paced * MS, 1) if paced else None}
