@@ -19,13 +19,12 @@ from typing import Any
 import psutil
 
 from bench.gateway_procs import GatewaySnapshot, GatewayWatch, cpu_by_kind, loop_lag_summary
-from bench.records import first_audio_starts
+from bench.records import MS, first_audio_starts
 from bench.timing import describe
 from gateway.service.loop_lag import LoopLagMonitor
 from gateway.speech.stream_decoder import THREAD_NAME, DecodeStats
 
 LAG_INTERVAL_S = 0.01  # how often the lag monitor wakes up
-MS = 1000.0
 
 
 @dataclass(frozen=True)
