@@ -25,11 +25,11 @@ import numpy as np
 import psutil
 from aiortc.codecs.opus import OpusEncoder
 
+from bench.records import MS
 from gateway.media.encoder import OpusTrack
 from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, PlayoutTrack
 
 SPEECH_LEVEL = 3000
-MS = 1000.0
 
 
 def make_frames(count: int, silent: bool, seed: int = 0) -> list[av.AudioFrame]:
