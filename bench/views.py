@@ -7,6 +7,10 @@ holds one packet, 20 ms; one that holds 40) costs no new lease. Views are client
 held (`--listener-buffer-ms`); a stream the server ran dry counts as stalled in every view, as it does in the run's
 own view of the gateway's buffer (`records.count_server_underruns`). The stall check is the run's own
 (`records.apply_arrivals`, its `--stall-tolerance-ms`).
+
+Over WebRTC it also splits the streams the server ran dry by how they started (`start_underruns`): a first audio
+within `FAST_START_MS` of the first frame came from that frame alone (a fast start: no second frame could be in
+so soon), the others waited for more. On an H100 every such stream at 256 peers was a fast start (2026-12-06).
 """
 
 from __future__ import annotations
@@ -49,6 +53,27 @@ def point_views(requests: Sequence[dict[str, Any]], users: int, client_buffers_m
     return {buffer: played[str(buffer)] for buffer in client_buffers_ms}
 
 
+# A first audio this soon after the first frame came from that frame alone: a second frame takes at least ~35 ms
+# (7 tokens at the fastest pace measured, ~5 ms a token at one stream on an H100).
+FAST_START_MS = 20.0
+
+
+def start_underruns(requests: Sequence[dict[str, Any]]) -> dict[str, int] | None:
+    """Streams by how they started (fast: first audio within `FAST_START_MS` of the first frame; the others), and how
+    many of each the server ran dry; None for a point without the server's figures (not WebRTC)."""
+    counts = {"fast_starts": 0, "fast_starts_dry": 0, "other_starts": 0, "other_starts_dry": 0}
+    seen = False
+    for request in requests:
+        server = request.get("server") or {}
+        if server.get("ttfa_ms") is None or server.get("ttfw_ms") is None:
+            continue
+        seen = True
+        kind = "fast_starts" if server["ttfa_ms"] - server["ttfw_ms"] <= FAST_START_MS else "other_starts"
+        counts[kind] += 1
+        counts[f"{kind}_dry"] += bool(server.get("underruns"))
+    return counts if seen else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a bench.json or bench.json.gz made with --keep-arrivals")
@@ -68,6 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             views = point_views(point["requests"], point["users"], buffers, tolerance)
             cells = " | ".join(f"{v['streams_stalled']} / {v['realtime_users']}" for v in views.values())
             print(f"| {point['users']} | {cells} |")
+        starts = [(point["users"], start_underruns(point["requests"])) for point in scenario["points"]]
+        if any(counts is not None for _, counts in starts):
+            print(f"\nservers' underruns by start (fast: first audio <= {FAST_START_MS:g} ms after the first frame)\n"
+                  "| users | fast starts | of them run dry | other starts | of them run dry |\n|---|---|---|---|---|")
+            for users, c in starts:
+                if c is not None:
+                    print(f"| {users} | {c['fast_starts']} | {c['fast_starts_dry']} | {c['other_starts']} | "
+                          f"{c['other_starts_dry']} |")
     return 0
 
 

@@ -400,10 +400,10 @@ def test_views_read_a_kept_run_again_with_other_client_buffers(tmp_path: Path, c
     frames = [[100.0 + 20 * i + (30 if i >= 10 else 0), 20.0] for i in range(50)]
     on_time = [[100.0 + 20 * i, 20.0] for i in range(50)]
     request = {"index": 0, "lang": "en", "size": "short", "chars": 10, "sent_at_s": 0.0, "ok": True}
-    point = {"users": 3, "requests": [
-        {**request, "user": 0, "arrivals": frames, "server": {"underruns": 0}},
-        {**request, "user": 1, "arrivals": on_time, "server": {"underruns": 1}},
-        {**request, "user": 2, "arrivals": on_time, "server": {"underruns": 0}}]}
+    point = {"users": 3, "requests": [  # user 1: a fast start (audio 5 ms after its first frame) the server ran dry
+        {**request, "user": 0, "arrivals": frames, "server": {"underruns": 0, "ttfw_ms": 80.0, "ttfa_ms": 160.0}},
+        {**request, "user": 1, "arrivals": on_time, "server": {"underruns": 1, "ttfw_ms": 60.0, "ttfa_ms": 65.0}},
+        {**request, "user": 2, "arrivals": on_time, "server": {"underruns": 0, "ttfw_ms": 90.0, "ttfa_ms": 200.0}}]}
     run = {"options": {"stall_tolerance_ms": 10.0, "listener_buffer_ms": 0},
            "scenarios": [{"scenario": "streaming", "level": "webrtc", "points": [point]}]}
     path = tmp_path / "bench.json.gz"
@@ -412,7 +412,12 @@ def test_views_read_a_kept_run_again_with_other_client_buffers(tmp_path: Path, c
     assert {b: (v["streams_stalled"], v["realtime_users"])
             for b, v in views.point_views(point["requests"], 3, [0, 40], 10.0).items()} == {0: (2, 1), 40: (1, 2)}
     assert views.main([str(path), "--buffers-ms", "0,40"]) == 0
-    assert "| 3 | 2 / 1 | 1 / 2 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| 3 | 2 / 1 | 1 / 2 |" in printed
+    assert views.start_underruns(point["requests"]) == {"fast_starts": 1, "fast_starts_dry": 1, "other_starts": 2,
+                                                        "other_starts_dry": 0}
+    assert "| 3 | 1 | 1 | 2 | 0 |" in printed
+    assert views.start_underruns([{"server": None}]) is None  # not WebRTC: no server figures
     del point["requests"][0]["arrivals"]
     with pytest.raises(SystemExit, match="keep-arrivals"):
         views.point_views(point["requests"], 3, [0], 10.0)
