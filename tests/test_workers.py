@@ -15,14 +15,17 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
 import pytest
+from aiortc import RTCPeerConnection
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cluster.workers import FORWARDED_HEADER, SNAC_SOCKET_NAME, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
 from gateway.devtools.client import HeadlessPeer
+from gateway.edge.http import OFFER_PATH
 from tests.support import TEST_MAX_TOKENS, VllmServer, free_port
 
 pytestmark = pytest.mark.engine
@@ -30,6 +33,7 @@ pytestmark = pytest.mark.engine
 WORKERS = 2
 START_TIMEOUT_S = 240.0  # two workers load tokenizer + SNAC on 2 busy cores
 MAX_PEERS = 16  # connect until both workers hold sessions (the kernel spreads connections by hash)
+MAX_SESSIONS = 8  # gateway-wide: 4 a worker, so a test can fill one
 
 
 class Workers:
@@ -83,7 +87,7 @@ def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, roo
            "--snac-model", str(snac_dir), "--snac-device", "cpu", "--max-tokens", str(TEST_MAX_TOKENS),
            # the server's own settings (conftest): each worker warms it up once, with a burst it can batch
            "--max-num-seqs", str(vllm_server.config.max_num_seqs), "--warmup-batch-sizes", "2",
-           "--jitter-buffer-ms", "0", "--log-level", "warning",
+           "--jitter-buffer-ms", "0", "--log-level", "warning", "--max-sessions", str(MAX_SESSIONS),
            "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.cluster.snac_process)
     log = root / "serve.log"
     return Workers(_start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log), port, sockets, log)
@@ -173,6 +177,46 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
         if sample.name.endswith("_count"):
             starts[sample.labels["worker"]] = starts.get(sample.labels["worker"], 0.0) + sample.value
     assert starts.get("snac", 0) > 0 and starts.get("w0", 0) == starts.get("w1", 0) == 0, starts
+
+
+async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(workers: Workers) -> None:
+    """Offers all sent to worker 0's own socket: once it has no session slot left, it passes them on to worker 1
+    (answered there, marked as passed on); once both are full, the offer gets 503 `at_capacity` with its
+    Retry-After. Every session then ends through the public port."""
+    pcs: list[RTCPeerConnection] = []
+
+    async def offer() -> tuple[int, dict[str, str], dict[str, Any]]:
+        pc = RTCPeerConnection()
+        pcs.append(pc)
+        pc.addTransceiver("audio", direction="recvonly")
+        pc.createDataChannel("control")
+        await pc.setLocalDescription(await pc.createOffer())
+        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
+        async with aiohttp.ClientSession(connector=connector) as http, \
+                http.post(f"http://worker{OFFER_PATH}", json={"sdp": pc.localDescription.sdp, "type": "offer"}) as r:
+            return r.status, dict(r.headers), await r.json()
+
+    answered: list[tuple[dict[str, str], dict[str, Any]]] = []
+    try:
+        while len(answered) <= MAX_SESSIONS:
+            status, headers, body = await offer()
+            if status != 200:
+                break
+            answered.append((headers, body))
+        assert status == 503 and body["error"]["code"] == "at_capacity" and int(headers["Retry-After"]) > 0, body
+        assert 0 < len(answered) <= MAX_SESSIONS
+        passed_on = [(h, b) for h, b in answered if b["session_id"].startswith("w1-")]
+        assert passed_on, "worker 0 took every offer: it never ran full"
+        assert all(h[WORKER_HEADER] == "w1" and h[FORWARDED_HEADER] == "w0" and b["sdp"] for h, b in passed_on)
+        # worker 0 answered its own until it was full, then passed on every one after
+        owners = [b["session_id"][:2] for _, b in answered]
+        assert owners == sorted(owners), owners
+    finally:
+        async with aiohttp.ClientSession() as http:
+            for _, body in answered:
+                status, _ = await _delete(http, workers.url, body["session_id"])
+                assert status == 204
+        await asyncio.gather(*(pc.close() for pc in pcs))
 
 
 async def test_a_killed_worker_is_restarted(workers: Workers) -> None:

@@ -11,8 +11,11 @@ Layout: the supervisor (this module's `run_supervisor`) starts `vllm serve` on l
 names servers, then N workers. Every worker binds the public port with SO_REUSEPORT (the kernel spreads new
 connections) and a Unix socket of its own. A WebRTC session lives in the worker that answered its offer: its
 media and data channel run over that worker's ICE ports, and its id starts with `w<index>-`, so an HTTP request
-about it (DELETE) that lands on another worker is passed to the owner over the owner's Unix socket. The
-supervisor restarts a worker or the vLLM server that exits, and stops everything on SIGTERM/SIGINT.
+about it (DELETE) that lands on another worker is passed to the owner over the owner's Unix socket. The kernel
+spreads connections by hash, not by load, and a client's keep-alive connection carries all its offers to one
+worker: a worker with no session slot left passes a new session's offer on to the next worker that has one (the
+gateway-wide `--max-sessions` is divided among the workers; 8 workers of 64 refused one of 384 peers on
+2026-12-06). The supervisor restarts a worker or the vLLM server that exits, and stops everything on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from aiohttp import web
 from gateway.cluster.lifecycle import until_stop_signal
 from gateway.cluster.snac_process import SNAC_LABEL, metrics_socket_path
 from gateway.config import GatewayConfig, validate
-from gateway.edge.http import GATEWAY_KEY, json_error
+from gateway.edge.http import GATEWAY_KEY, SESSION_OFFER_ROUTES, json_error
+from gateway.service.admission import AT_CAPACITY
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH, merge_worker_expositions
 from gateway.speech.codec_server import CodecServerSettings, codec_server_env
@@ -65,6 +69,10 @@ STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
 FORWARD_TIMEOUT_S = 10.0
+# Not passed on from a worker's answer: aiohttp sets its own for the response it relays, and the relaying worker
+# adds the CORS ones itself (`edge.app.add_cors_headers`; a relayed Vary would say Origin twice).
+RELAY_DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "date",
+                                   "server", "vary", "access-control-allow-origin", "access-control-expose-headers"})
 VLLM_CLI_MODULE = "gateway.cluster.vllm_cli"
 SNAC_SOCKET_NAME = "snac.sock"  # snac_placement shared: in the sockets folder
 METRICS_FETCH_TIMEOUT_S = 2.0  # a hung worker is left out of /metrics, well inside Prometheus' 10 s scrape timeout
@@ -108,14 +116,16 @@ def free_port(host: str = LOOPBACK) -> int:
 
 @web.middleware
 async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResponse:
-    """A request about another worker's session goes to that worker, over its Unix socket; `/metrics` gathers
-    every worker's."""
+    """A request about another worker's session goes to that worker, over its Unix socket; a new session's offer
+    this worker has no slot for goes to one that has (`_offer_elsewhere`); `/metrics` gathers every worker's."""
     if request.path == METRICS_PATH and FORWARDED_HEADER not in request.headers:
         return await all_workers_metrics(request, handler)
     match = SESSION_PATH.match(request.path)
     gateway = request.app[GATEWAY_KEY]
     if match is None or match.group(1).startswith(gateway.session_id_prefix):
-        response = await handler(request)
+        if _offer_to_pass_on(request) and (taken := await _offer_elsewhere(request)) is not None:
+            return taken
+        response = await handler(request)  # here, or refused here when every worker is full
         if not response.prepared:  # a streamed response (speech) has sent its headers already
             response.headers[WORKER_HEADER] = gateway.session_id_prefix.strip("-")
         return response
@@ -124,20 +134,62 @@ async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResp
     path = socket_path(folder, owner)
     if not folder or not path.exists():
         return json_error(404, "unknown_session", "no such session")
+    try:
+        return await _relay(request, path)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return json_error(503, "worker_unavailable", f"the worker holding this session ({owner}) does not answer")
+
+
+def _offer_to_pass_on(request: web.Request) -> bool:
+    """A new session's offer (not one passed on already) that this worker has no session slot for."""
+    return (request.method == "POST" and request.match_info.route.name in SESSION_OFFER_ROUTES
+            and FORWARDED_HEADER not in request.headers and bool(os.environ.get(WORKER_SOCKETS_ENV))
+            and request.app[GATEWAY_KEY].admission.sessions_full)
+
+
+async def _offer_elsewhere(request: web.Request) -> web.Response | None:
+    """The first answer to this offer from the other workers, in turn from the next one up (so that full workers
+    spread what they pass on), that is not `at_capacity`; None when none has a slot or answers (then this worker
+    refuses it itself, with its Retry-After)."""
+    own = request.app[GATEWAY_KEY].session_id_prefix.strip("-")
+    folder = Path(os.environ[WORKER_SOCKETS_ENV])
+    others = await asyncio.to_thread(lambda: sorted(
+        (int(p.stem[1:]), p) for p in folder.glob("w*.sock") if p.stem[1:].isdigit() and p.stem != own))
+    mine = int(own[1:]) if own[1:].isdigit() else -1
+    for _, path in sorted(others, key=lambda item: (item[0] < mine, item[0])):
+        try:
+            answer = await _relay(request, path)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            continue  # restarting, or gone: the next one
+        if answer.status == 503 and _error_code(answer) == AT_CAPACITY:
+            continue
+        return answer
+    return None
+
+
+def _error_code(response: web.Response) -> str | None:
+    try:
+        return str(json.loads(bytes(response.body))["error"]["code"])  # type: ignore[arg-type]
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+async def _relay(request: web.Request, path: Path) -> web.Response:
+    """This request as another worker (at its Unix socket `path`) answers it, marked as passed on by this one."""
+    own = request.app[GATEWAY_KEY].session_id_prefix.strip("-")
     headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-    body = await request.read()
+    headers[FORWARDED_HEADER] = own
+    body = await request.read()  # aiohttp keeps it: a relay after another reads the same bytes
     connector = aiohttp.UnixConnector(path=str(path))
     timeout = aiohttp.ClientTimeout(FORWARD_TIMEOUT_S)
-    try:
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http, \
-                http.request(request.method, f"http://worker{request.rel_url}", headers=headers, data=body) as resp:
-            payload = await resp.read()
-            response = web.Response(status=resp.status, body=payload, content_type=resp.content_type)
-            response.headers[WORKER_HEADER] = resp.headers.get(WORKER_HEADER, "")
-            response.headers[FORWARDED_HEADER] = gateway.session_id_prefix.strip("-")
-            return response
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return json_error(503, "worker_unavailable", f"the worker holding this session ({owner}) does not answer")
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http, \
+            http.request(request.method, f"http://worker{request.rel_url}", headers=headers, data=body) as resp:
+        payload = await resp.read()
+        response = web.Response(status=resp.status, body=payload, headers=[
+            (k, v) for k, v in resp.headers.items() if k.lower() not in RELAY_DROPPED_HEADERS])
+        response.headers[WORKER_HEADER] = resp.headers.get(WORKER_HEADER, "")
+        response.headers[FORWARDED_HEADER] = own
+        return response
 
 
 async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamResponse:

@@ -16,6 +16,7 @@ from gateway.edge.http import (
     GATEWAY_KEY,
     ICE_SERVERS_PATH,
     OFFER_PATH,
+    OFFER_ROUTE,
     SESSIONS_PATH,
     SUBJECT_KEY,
     capacity_error,
@@ -127,5 +128,5 @@ async def end_session(request: web.Request) -> web.Response:
 
 def add_signalling_routes(app: web.Application) -> None:
     app.router.add_get(ICE_SERVERS_PATH, get_ice_servers)
-    app.router.add_post(OFFER_PATH, offer)
+    app.router.add_post(OFFER_PATH, offer, name=OFFER_ROUTE)
     app.router.add_delete(SESSIONS_PATH + "/{session_id}", end_session)

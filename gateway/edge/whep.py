@@ -20,7 +20,7 @@ import logging
 from aiohttp import web
 
 from gateway.config import ConfigError
-from gateway.edge.http import GATEWAY_KEY, SUBJECT_KEY, json_error
+from gateway.edge.http import GATEWAY_KEY, SUBJECT_KEY, WHEP_OFFER_ROUTE, json_error
 from gateway.edge.signalling import end_session, open_session  # DELETE: the same as the JSON route's
 from gateway.rtc.ice import IceServer, client_id, ice_servers
 
@@ -130,7 +130,7 @@ def add_whep_routes(app: web.Application, path: str) -> None:
         raise ConfigError(f"whep_path must be an absolute path without a trailing '/', got {path!r}")
     app[WHEP_PATH_KEY] = path
     resource = path + "/{session_id}"
-    app.router.add_post(path, create_session)
+    app.router.add_post(path, create_session, name=WHEP_OFFER_ROUTE)
     app.router.add_route("OPTIONS", path, endpoint_options)
     app.router.add_get(path, endpoint_probe)  # and HEAD
     app.router.add_delete(resource, end_session)

@@ -67,8 +67,13 @@ class Admission:
         return cls(config.max_sessions, config.max_in_flight_utterances or engine_slots,
                    config.engine_tokens_per_second)
 
+    @property
+    def sessions_full(self) -> bool:
+        """No session slot is left (`admit_session` would refuse)."""
+        return self.sessions >= self.max_sessions
+
     def admit_session(self) -> Slot:
-        if self.sessions >= self.max_sessions:
+        if self.sessions_full:
             raise CapacityError(f"the gateway is at capacity ({self.max_sessions} sessions); try again shortly",
                                 SESSION_RETRY_AFTER_S)
         self.sessions += 1
