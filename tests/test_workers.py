@@ -182,7 +182,7 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
 async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(workers: Workers) -> None:
     """Offers all sent to worker 0's own socket: once it has no session slot left, it passes them on to worker 1
     (answered there, marked as passed on); once both are full, the offer gets 503 `at_capacity` with its
-    Retry-After. Every session then ends through the public port."""
+    Retry-After, counted once among the refusals. Every session then ends through the public port."""
     pcs: list[RTCPeerConnection] = []
 
     async def offer() -> tuple[int, dict[str, str], dict[str, Any]]:
@@ -196,7 +196,14 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
                 http.post(f"http://worker{OFFER_PATH}", json={"sdp": pc.localDescription.sdp, "type": "offer"}) as r:
             return r.status, dict(r.headers), await r.json()
 
+    async def refused() -> float:  # at_capacity refusals so far, every worker's
+        async with aiohttp.ClientSession() as http, http.get(f"{workers.url}/metrics") as resp:
+            families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+        return sum(s.value for s in families["orpheus_rejections"].samples
+                   if s.name.endswith("_total") and s.labels.get("code") == "at_capacity")
+
     answered: list[tuple[dict[str, str], dict[str, Any]]] = []
+    refused_before = await refused()
     try:
         while len(answered) <= MAX_SESSIONS:
             status, headers, body = await offer()
@@ -211,6 +218,7 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
         # worker 0 answered its own until it was full, then passed on every one after
         owners = [b["session_id"][:2] for _, b in answered]
         assert owners == sorted(owners), owners
+        assert await refused() == refused_before + 1  # one client refused: counted once, not once per worker
     finally:
         async with aiohttp.ClientSession() as http:
             for _, body in answered:

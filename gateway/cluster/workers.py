@@ -123,9 +123,12 @@ async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResp
     match = SESSION_PATH.match(request.path)
     gateway = request.app[GATEWAY_KEY]
     if match is None or match.group(1).startswith(gateway.session_id_prefix):
-        if _offer_to_pass_on(request) and (taken := await _offer_elsewhere(request)) is not None:
-            return taken
-        response = await handler(request)  # here, or refused here when every worker is full
+        if _is_offer_without_room(request):
+            if FORWARDED_HEADER in request.headers:  # the passing worker tries the next, and counts a refusal
+                return json_error(503, AT_CAPACITY, f"no session slot in {gateway.session_id_prefix.strip('-')}")
+            if (taken := await _offer_elsewhere(request)) is not None:
+                return taken
+        response = await handler(request)  # here, or refused here (and counted once) when every worker is full
         if not response.prepared:  # a streamed response (speech) has sent its headers already
             response.headers[WORKER_HEADER] = gateway.session_id_prefix.strip("-")
         return response
@@ -140,11 +143,10 @@ async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResp
         return json_error(503, "worker_unavailable", f"the worker holding this session ({owner}) does not answer")
 
 
-def _offer_to_pass_on(request: web.Request) -> bool:
-    """A new session's offer (not one passed on already) that this worker has no session slot for."""
+def _is_offer_without_room(request: web.Request) -> bool:
+    """A new session's offer (JSON or WHEP) that this worker, one of several, has no session slot for."""
     return (request.method == "POST" and request.match_info.route.name in SESSION_OFFER_ROUTES
-            and FORWARDED_HEADER not in request.headers and bool(os.environ.get(WORKER_SOCKETS_ENV))
-            and request.app[GATEWAY_KEY].admission.sessions_full)
+            and bool(os.environ.get(WORKER_SOCKETS_ENV)) and request.app[GATEWAY_KEY].admission.sessions_full)
 
 
 async def _offer_elsewhere(request: web.Request) -> web.Response | None:
