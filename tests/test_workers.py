@@ -181,8 +181,9 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
 
 async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(workers: Workers) -> None:
     """Offers all sent to worker 0's own socket: once it has no session slot left, it passes them on to worker 1
-    (answered there, marked as passed on); once both are full, the offer gets 503 `at_capacity` with its
-    Retry-After, counted once among the refusals. Every session then ends through the public port."""
+    (answered there, marked as passed on; a WHEP player's too, with its Location). Once both are full, the offer
+    gets 503 `at_capacity` with its Retry-After, counted once among the refusals. Every session then ends through
+    the public port."""
     pcs: list[RTCPeerConnection] = []
 
     async def offer() -> tuple[int, dict[str, str], dict[str, Any]]:
@@ -196,6 +197,18 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
                 http.post(f"http://worker{OFFER_PATH}", json={"sdp": pc.localDescription.sdp, "type": "offer"}) as r:
             return r.status, dict(r.headers), await r.json()
 
+    async def whep_offer() -> tuple[int, dict[str, str]]:  # a WHEP player's: receive-only audio, SDP in and out
+        pc = RTCPeerConnection()
+        pcs.append(pc)
+        pc.addTransceiver("audio", direction="recvonly")
+        await pc.setLocalDescription(await pc.createOffer())
+        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
+        async with aiohttp.ClientSession(connector=connector) as http, \
+                http.post("http://worker/whep", data=pc.localDescription.sdp.encode(),
+                          headers={"Content-Type": "application/sdp"}) as r:
+            await r.read()
+            return r.status, dict(r.headers)
+
     async def refused() -> float:  # at_capacity refusals so far, every worker's
         async with aiohttp.ClientSession() as http, http.get(f"{workers.url}/metrics") as resp:
             families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
@@ -203,15 +216,23 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
                    if s.name.endswith("_total") and s.labels.get("code") == "at_capacity")
 
     answered: list[tuple[dict[str, str], dict[str, Any]]] = []
+    whep_session: str | None = None
     refused_before = await refused()
     try:
-        while len(answered) <= MAX_SESSIONS:
+        while len(answered) + (whep_session is not None) <= MAX_SESSIONS:
             status, headers, body = await offer()
             if status != 200:
                 break
             answered.append((headers, body))
+            if whep_session is None and body["session_id"].startswith("w1-"):  # worker 0 is full: WHEP too
+                whep_status, whep_headers = await whep_offer()
+                assert whep_status == 201, whep_headers
+                assert whep_headers["Content-Type"].startswith("application/sdp")
+                assert (whep_headers[WORKER_HEADER], whep_headers[FORWARDED_HEADER]) == ("w1", "w0")
+                whep_session = whep_headers["Location"].removeprefix("/whep/")
+                assert whep_session.startswith("w1-"), whep_headers["Location"]
         assert status == 503 and body["error"]["code"] == "at_capacity" and int(headers["Retry-After"]) > 0, body
-        assert 0 < len(answered) <= MAX_SESSIONS
+        assert 0 < len(answered) < MAX_SESSIONS and whep_session is not None
         passed_on = [(h, b) for h, b in answered if b["session_id"].startswith("w1-")]
         assert passed_on, "worker 0 took every offer: it never ran full"
         assert all(h[WORKER_HEADER] == "w1" and h[FORWARDED_HEADER] == "w0" and b["sdp"] for h, b in passed_on)
@@ -221,8 +242,9 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
         assert await refused() == refused_before + 1  # one client refused: counted once, not once per worker
     finally:
         async with aiohttp.ClientSession() as http:
-            for _, body in answered:
-                status, _ = await _delete(http, workers.url, body["session_id"])
+            ended = [b["session_id"] for _, b in answered] + ([whep_session] if whep_session else [])
+            for session_id in ended:
+                status, _ = await _delete(http, workers.url, session_id)
                 assert status == 204
         await asyncio.gather(*(pc.close() for pc in pcs))
 
