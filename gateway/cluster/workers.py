@@ -86,6 +86,14 @@ def socket_path(folder: str | Path, index: int) -> Path:
     return Path(folder) / f"w{index}.sock"
 
 
+def other_workers(folder: str | Path, own: str) -> list[Path]:
+    """The Unix sockets of the workers other than `own` ("w<index>") in `folder`, from the next index up and
+    around (so that workers passing offers on do not all try the same one first). Blocking: a directory listing."""
+    mine = int(own[1:]) if own[1:].isdigit() else -1
+    found = [(int(p.stem[1:]), p) for p in Path(folder).glob("w*.sock") if p.stem[1:].isdigit() and p.stem != own]
+    return [path for _, path in sorted(found, key=lambda item: (item[0] < mine, item[0]))]
+
+
 def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str]) -> GatewayConfig:
     """One worker's share: the engine is remote, and the gateway-wide limits are divided among the workers."""
     def share(value: int) -> int:
@@ -154,11 +162,7 @@ async def _offer_elsewhere(request: web.Request) -> web.Response | None:
     spread what they pass on), that is not `at_capacity`; None when none has a slot or answers (then this worker
     refuses it itself, with its Retry-After)."""
     own = request.app[GATEWAY_KEY].session_id_prefix.strip("-")
-    folder = Path(os.environ[WORKER_SOCKETS_ENV])
-    others = await asyncio.to_thread(lambda: sorted(
-        (int(p.stem[1:]), p) for p in folder.glob("w*.sock") if p.stem[1:].isdigit() and p.stem != own))
-    mine = int(own[1:]) if own[1:].isdigit() else -1
-    for _, path in sorted(others, key=lambda item: (item[0] < mine, item[0])):
+    for path in await asyncio.to_thread(other_workers, os.environ[WORKER_SOCKETS_ENV], own):
         try:
             answer = await _relay(request, path)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -206,7 +210,7 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
         return local  # refused (auth) or not under the supervisor: as a single gateway answers
     headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
     headers[FORWARDED_HEADER] = own
-    others = await asyncio.to_thread(lambda: sorted(p for p in Path(folder).glob("w*.sock") if p.stem != own))
+    others = await asyncio.to_thread(other_workers, folder, own)
     sources = {p.stem: p for p in others}
     snac_socket = gateway.config.snac_socket
     if snac_socket and await asyncio.to_thread(metrics_socket_path(snac_socket).exists):
