@@ -38,12 +38,14 @@ def point_views(requests: Sequence[dict[str, Any]], users: int, client_buffers_m
     """Each client buffer's view of one point: streams stalled, real-time users, stall moments (`summarize`)."""
     records = []
     for kept in requests:
-        if kept.get("arrivals") is None:
+        arrivals = kept.get("arrivals")
+        if arrivals is None and kept["ok"]:
             raise SystemExit("this run kept no arrivals: run it with --keep-arrivals")
         record = RequestRecord(user=kept["user"], index=kept["index"], lang=kept["lang"], size=kept["size"],
                                chars=kept["chars"], sent_at_s=kept["sent_at_s"], ok=kept["ok"],
                                client_process=kept.get("client_process"))
-        apply_arrivals(record, [(t / MS, d / MS) for t, d in kept["arrivals"]], client_buffers_ms, tolerance_ms,
+        # A failed request (a peer refused at its offer) has none, as in the run (`webrtc_level._failed`)
+        apply_arrivals(record, [(t / MS, d / MS) for t, d in arrivals or ()], client_buffers_ms, tolerance_ms,
                        keep=False)
         record.server = kept.get("server")
         for buffer in client_buffers_ms:  # the server ran it dry: stalled in every view

@@ -418,6 +418,9 @@ def test_views_read_a_kept_run_again_with_other_client_buffers(tmp_path: Path, c
                                                         "other_starts_dry": 0}
     assert "| 3 | 1 | 1 | 2 | 0 |" in printed
     assert views.start_underruns([{"server": None}]) is None  # not WebRTC: no server figures
+    # a peer refused at its offer kept no arrivals, as in the run: not real time, and the rest still read
+    refused = {**request, "user": 3, "ok": False, "error": "connect: at_capacity", "arrivals": None, "server": None}
+    assert views.point_views([*point["requests"], refused], 4, [40], 10.0)[40]["realtime_users"] == 2
     del point["requests"][0]["arrivals"]
     with pytest.raises(SystemExit, match="keep-arrivals"):
         views.point_views(point["requests"], 3, [0], 10.0)
