@@ -20,13 +20,12 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from aiortc import RTCPeerConnection
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cluster.workers import FORWARDED_HEADER, SNAC_SOCKET_NAME, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.http import OFFER_PATH
-from tests.support import TEST_MAX_TOKENS, VllmServer, free_port
+from tests.support import TEST_MAX_TOKENS, VllmServer, free_port, offer_sdp
 
 pytestmark = pytest.mark.engine
 
@@ -184,27 +183,16 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
     (answered there, marked as passed on; a WHEP player's too, with its Location). Once both are full, the offer
     gets 503 `at_capacity` with its Retry-After, counted once among the refusals. Every session then ends through
     the public port."""
-    pcs: list[RTCPeerConnection] = []
-
     async def offer() -> tuple[int, dict[str, str], dict[str, Any]]:
-        pc = RTCPeerConnection()
-        pcs.append(pc)
-        pc.addTransceiver("audio", direction="recvonly")
-        pc.createDataChannel("control")
-        await pc.setLocalDescription(await pc.createOffer())
         connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
         async with aiohttp.ClientSession(connector=connector) as http, \
-                http.post(f"http://worker{OFFER_PATH}", json={"sdp": pc.localDescription.sdp, "type": "offer"}) as r:
+                http.post(f"http://worker{OFFER_PATH}", json={"sdp": await offer_sdp(), "type": "offer"}) as r:
             return r.status, dict(r.headers), await r.json()
 
-    async def whep_offer() -> tuple[int, dict[str, str]]:  # a WHEP player's: receive-only audio, SDP in and out
-        pc = RTCPeerConnection()
-        pcs.append(pc)
-        pc.addTransceiver("audio", direction="recvonly")
-        await pc.setLocalDescription(await pc.createOffer())
+    async def whep_offer() -> tuple[int, dict[str, str]]:  # SDP in and out
         connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
         async with aiohttp.ClientSession(connector=connector) as http, \
-                http.post("http://worker/whep", data=pc.localDescription.sdp.encode(),
+                http.post("http://worker/whep", data=(await offer_sdp()).encode(),
                           headers={"Content-Type": "application/sdp"}) as r:
             await r.read()
             return r.status, dict(r.headers)
@@ -246,7 +234,6 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
             for session_id in ended:
                 status, _ = await _delete(http, workers.url, session_id)
                 assert status == 204
-        await asyncio.gather(*(pc.close() for pc in pcs))
 
 
 async def test_a_killed_worker_is_restarted(workers: Workers) -> None:
