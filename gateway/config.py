@@ -173,7 +173,8 @@ class GatewayConfig:
     replay_cache_s: float = _opt(60.0, "Seconds of audio each session keeps for `repeat` (24 kHz int16: 48 kB/s).")
     # --- admission --------------------------------------------------------------------------------
     max_in_flight_utterances: int = _opt(0, "Most utterances synthesising at once, all sessions and HTTP requests "
-                                         "together; more get `at_capacity` (0 = max_num_seqs x data_parallel_size).")
+                                         "together (every worker's with --workers); more get `at_capacity` "
+                                         "(0 = max_num_seqs x data_parallel_size).")
     engine_tokens_per_second: float = _opt(0.0, "Audio tokens/s the engine sustains (measure it); a new utterance is "
                                            "admitted only while every stream still gets 82 tokens/s (0 = off).")
     # --- access -----------------------------------------------------------------------------------

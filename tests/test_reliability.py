@@ -13,8 +13,11 @@ import contextvars
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 from aiortc import RTCSessionDescription
 
+from gateway.cluster.workers import worker_config
 from gateway.config import ConfigError, GatewayConfig, from_sources, normalize_origin
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.auth import AccessPolicy, AuthError, make_session_token, verify_session_token
@@ -29,7 +33,15 @@ from gateway.edge.http import OFFER_PATH
 from gateway.edge.state import GatewayState
 from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
 from gateway.rtc.session import ProtocolError
-from gateway.service.admission import AT_CAPACITY, Admission, CapacityError, TokenBucket
+from gateway.service.admission import (
+    AT_CAPACITY,
+    Admission,
+    CapacityError,
+    StreamCounts,
+    TokenBucket,
+    clear_stream_count,
+    create_stream_counts,
+)
 from gateway.speech.engine import ENGINE_RETRY_AFTER_S, EngineState
 from gateway.speech.snac_stream import StreamHandle
 from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
@@ -117,6 +129,62 @@ def test_token_budget_admits_only_real_time_streams(streams_affordable: int, bud
         admission.admit_stream()
     slots.pop().release()
     admission.admit_stream()
+
+
+def test_workers_count_each_others_utterances_against_one_limit(tmp_path: Path) -> None:
+    """`serve --workers`: the in-flight utterance limit is the shared engine's, so each worker admits against every
+    worker's count (`StreamCounts`, a file each maps). Worker 1 is another process here; once it is killed, its
+    count holds until the supervisor clears it (`clear_stream_count`)."""
+    counts = tmp_path / "streams.counts"
+    create_stream_counts(counts, 2)
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys\n"
+         "from pathlib import Path\n"
+         "from gateway.service.admission import Admission, StreamCounts\n"
+         "admission = Admission(10, 3, shared=StreamCounts(Path(sys.argv[1]), 1))\n"
+         "slots = [admission.admit_stream(), admission.admit_stream()]\n"
+         "print('admitted', flush=True)\n"
+         "sys.stdin.readline()\n", str(counts)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    shared = StreamCounts(counts, 0)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "admitted"
+        admission = Admission(max_sessions=10, max_streams=3, shared=shared)
+        slot = admission.admit_stream()  # 2 there + 1 here: the limit
+        with pytest.raises(CapacityError):
+            admission.admit_stream()
+        slot.release()
+        admission.admit_stream().release()
+        other.kill()
+        other.wait(timeout=10)
+        assert shared.others() == 2, "a dead worker's count stays until the supervisor clears it"
+        clear_stream_count(counts, 1)
+        slots = [admission.admit_stream() for _ in range(3)]
+        assert shared.others() == 0 and admission.streams == 3
+        with pytest.raises(CapacityError):
+            admission.admit_stream()
+        for slot in slots:
+            slot.release()
+    finally:
+        if other.poll() is None:
+            other.kill()
+        shared.close()
+    restarted = StreamCounts(counts, 0)  # a restarted worker starts from none, whatever its cell held
+    try:
+        assert restarted.others() == 0 and restarted._cells[0] == 0
+    finally:
+        restarted.close()
+    with pytest.raises(ValueError, match="no cell"):
+        StreamCounts(counts, 2)
+
+
+def test_a_worker_keeps_the_gateway_wide_utterance_limit(test_config: GatewayConfig) -> None:
+    """Sessions are divided among the workers (offers move to one with room); utterances cannot move, so their
+    limit and the token budget stay whole in each worker's config (counted across workers instead)."""
+    config = dataclasses.replace(test_config, max_sessions=10, max_in_flight_utterances=6,
+                                 engine_tokens_per_second=1000.0)
+    one = worker_config(config, 4, ["http://127.0.0.1:1"])
+    assert (one.max_sessions, one.max_in_flight_utterances, one.engine_tokens_per_second) == (3, 6, 1000.0)
 
 
 def test_admission_defaults_follow_the_engine(test_config: GatewayConfig) -> None:

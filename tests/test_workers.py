@@ -33,6 +33,7 @@ WORKERS = 2
 START_TIMEOUT_S = 240.0  # two workers load tokenizer + SNAC on 2 busy cores
 MAX_PEERS = 16  # connect until both workers hold sessions (the kernel spreads connections by hash)
 MAX_SESSIONS = 8  # gateway-wide: 4 a worker, so a test can fill one
+MAX_IN_FLIGHT = MAX_PEERS  # utterances, gateway-wide: each worker counts the others' (every peer may speak at once)
 
 
 class Workers:
@@ -87,6 +88,7 @@ def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, roo
            # the server's own settings (conftest): each worker warms it up once, with a burst it can batch
            "--max-num-seqs", str(vllm_server.config.max_num_seqs), "--warmup-batch-sizes", "2",
            "--jitter-buffer-ms", "0", "--log-level", "warning", "--max-sessions", str(MAX_SESSIONS),
+           "--max-in-flight-utterances", str(MAX_IN_FLIGHT),
            "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.cluster.snac_process)
     log = root / "serve.log"
     return Workers(_start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log), port, sockets, log)
@@ -234,6 +236,45 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
             for session_id in ended:
                 status, _ = await _delete(http, workers.url, session_id)
                 assert status == 204
+
+
+async def test_utterances_count_against_one_limit_across_workers(workers: Workers) -> None:
+    """Speech requests held open on worker 0: it takes more than half the gateway-wide limit (before, each worker
+    had half), worker 1 takes the rest, and the next one gets 503 `at_capacity` there; once they end, worker 1
+    speaks again."""
+    text = " ".join(f"Sentence number {i} keeps this request speaking." for i in range(12))  # long past the test
+    held: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = []
+
+    async def speak(index: int) -> aiohttp.ClientResponse:  # returns at its first audio (200), or its refusal
+        http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket_path(workers.sockets, index))))
+        resp = await http.post("http://worker/v1/audio/speech", json={"input": text, "response_format": "pcm"})
+        held.append((http, resp))
+        return resp
+
+    on_w0 = MAX_IN_FLIGHT // 2 + 1
+    try:
+        first = await asyncio.gather(*(speak(0) for _ in range(on_w0)))
+        assert [r.status for r in first] == [200] * on_w0, [r.status for r in first]
+        rest = await asyncio.gather(*(speak(1) for _ in range(MAX_IN_FLIGHT - on_w0)))
+        assert [r.status for r in rest] == [200] * len(rest), [r.status for r in rest]
+        refused = await speak(1)
+        body = await refused.json()
+        assert refused.status == 503 and body["error"]["code"] == "at_capacity", body
+        assert int(refused.headers["Retry-After"]) > 0
+    finally:
+        for http, resp in held:
+            resp.close()
+            await http.close()
+    deadline = time.monotonic() + 60  # the closed requests end once the server notices (aborted in vLLM)
+    while True:
+        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 1)))
+        async with aiohttp.ClientSession(connector=connector) as http, \
+                http.post("http://worker/v1/audio/speech", json={"input": "Again.", "response_format": "pcm"}) as r:
+            if r.status == 200:
+                assert len(await r.read()) > 0
+                break
+            assert r.status == 503 and time.monotonic() < deadline, (r.status, await r.text())
+        await asyncio.sleep(0.5)
 
 
 async def test_a_killed_worker_is_restarted(workers: Workers) -> None:

@@ -15,7 +15,10 @@ about it (DELETE) that lands on another worker is passed to the owner over the o
 spreads connections by hash, not by load, and a client's keep-alive connection carries all its offers to one
 worker: a worker with no session slot left passes a new session's offer on to the next worker that has one (the
 gateway-wide `--max-sessions` is divided among the workers; 8 workers of 64 refused one of 384 peers on
-2026-12-06). The supervisor restarts a worker or the vLLM server that exits, and stops everything on SIGTERM/SIGINT.
+2026-12-06). An utterance cannot move (it belongs to its session's worker; an HTTP speech request streams its
+body), so the in-flight utterance limit is not divided: every worker counts the others' utterances in a shared
+file (`service.admission.StreamCounts`). The supervisor restarts a worker or the vLLM server that exits (clearing
+its utterance count), and stops everything on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from gateway.cluster.lifecycle import until_stop_signal
 from gateway.cluster.snac_process import SNAC_LABEL, metrics_socket_path
 from gateway.config import GatewayConfig, validate
 from gateway.edge.http import GATEWAY_KEY, SESSION_OFFER_ROUTES, json_error
-from gateway.service.admission import AT_CAPACITY
+from gateway.service.admission import AT_CAPACITY, StreamCounts, clear_stream_count, create_stream_counts
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH, merge_worker_expositions
 from gateway.speech.codec_server import CodecServerSettings, codec_server_env
@@ -75,6 +78,7 @@ RELAY_DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "conne
                                    "server", "vary", "access-control-allow-origin", "access-control-expose-headers"})
 VLLM_CLI_MODULE = "gateway.cluster.vllm_cli"
 SNAC_SOCKET_NAME = "snac.sock"  # snac_placement shared: in the sockets folder
+STREAM_COUNTS_NAME = "streams.counts"  # every worker's utterances in flight (`StreamCounts`): in the sockets folder
 METRICS_FETCH_TIMEOUT_S = 2.0  # a hung worker is left out of /metrics, well inside Prometheus' 10 s scrape timeout
 
 
@@ -95,15 +99,14 @@ def other_workers(folder: str | Path, own: str) -> list[Path]:
 
 
 def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str]) -> GatewayConfig:
-    """One worker's share: the engine is remote, and the gateway-wide limits are divided among the workers."""
+    """One worker's: the engine is remote, and the sessions are divided among the workers (an offer a full worker
+    cannot take goes to another). The utterance limits stay gateway-wide: each worker counts every worker's
+    utterances against them (`StreamCounts`)."""
     def share(value: int) -> int:
         return max(1, math.ceil(value / workers)) if value else value
 
-    in_flight = config.max_in_flight_utterances or config.max_num_seqs * config.data_parallel_size
-    return dataclasses.replace(
-        config, vllm_urls=tuple(vllm_urls), workers=1, snac_placement="process",
-        max_sessions=share(config.max_sessions), max_in_flight_utterances=share(in_flight),
-        engine_tokens_per_second=config.engine_tokens_per_second / workers)
+    return dataclasses.replace(config, vllm_urls=tuple(vllm_urls), workers=1, snac_placement="process",
+                               max_sessions=share(config.max_sessions))
 
 
 def vllm_serve_command(config: GatewayConfig, host: str, port: int) -> list[str]:
@@ -239,7 +242,8 @@ async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
     """One worker: the whole gateway app on the shared public port and on its own Unix socket."""
     from gateway.edge.app import create_app
 
-    app = create_app(config, session_id_prefix=session_prefix(index))
+    counts = StreamCounts(Path(sockets) / STREAM_COUNTS_NAME, index)
+    app = create_app(config, session_id_prefix=session_prefix(index), stream_counts=counts)
     app.middlewares.append(forward_to_owner)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -253,6 +257,8 @@ async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
         await until_stop_signal()
     finally:
         await runner.cleanup()
+        counts.publish(0)
+        counts.close()
 
 
 def worker_main() -> int:
@@ -321,6 +327,8 @@ class Supervisor:
         self.sockets = given or tempfile.mkdtemp(prefix="orpheus-gateway-")
         self._own_folder = not given
         self.children: list[Child] = []
+        self.stream_counts = Path(self.sockets) / STREAM_COUNTS_NAME
+        create_stream_counts(self.stream_counts, workers)
         urls = list(config.vllm_urls)
         snac_socket = config.snac_socket
         if config.snac_placement == "shared":  # one SNAC process decodes for every worker
@@ -355,6 +363,8 @@ class Supervisor:
                     if child.exited and not self._stopping:
                         assert child.proc is not None
                         log.error("%s exited with %s; restarting", child.name, child.proc.returncode)
+                        if child.name.startswith("worker"):  # its utterances ended with it
+                            clear_stream_count(self.stream_counts, int(child.env[WORKER_INDEX_ENV]))
                         time.sleep(RESTART_DELAY_S)
                         child.restarts += 1
                         child.start()
@@ -368,6 +378,7 @@ class Supervisor:
                     if child.name.startswith("worker"):
                         socket_path(self.sockets, int(child.env[WORKER_INDEX_ENV])).unlink(missing_ok=True)
                 (Path(self.sockets) / SNAC_SOCKET_NAME).unlink(missing_ok=True)
+                self.stream_counts.unlink(missing_ok=True)
                 if self._own_folder:
                     Path(self.sockets).rmdir()
         return 0

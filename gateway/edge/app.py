@@ -20,6 +20,7 @@ from gateway.edge.signalling import add_signalling_routes
 from gateway.edge.speech_api import SPEECH_PATH, speech
 from gateway.edge.state import GatewayState
 from gateway.edge.whep import add_whep_routes
+from gateway.service.admission import StreamCounts
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH
 from gateway.speech.synthesizer import Synthesizer
@@ -156,11 +157,13 @@ async def web_file(request: web.Request) -> web.FileResponse:
 
 
 def create_app(config: GatewayConfig, synthesizer: Synthesizer | None = None, *,
-               webrtc: bool = True, session_id_prefix: str = "") -> web.Application:
+               webrtc: bool = True, session_id_prefix: str = "",
+               stream_counts: StreamCounts | None = None) -> web.Application:
     """The gateway's aiohttp application. Pass a started `synthesizer` to share one (tests, benchmarks);
-    `session_id_prefix` names this process in its session ids (`serve --workers`)."""
+    `session_id_prefix` names this process in its session ids and `stream_counts` holds every worker's
+    utterances (`serve --workers`)."""
     app = web.Application(middlewares=[json_errors, access_control], client_max_size=config.max_body_bytes)
-    gateway = GatewayState(config, synthesizer, session_id_prefix)
+    gateway = GatewayState(config, synthesizer, session_id_prefix, stream_counts)
     app[GATEWAY_KEY] = gateway
     app.add_routes(routes)
     app.router.add_post(SPEECH_PATH, speech)

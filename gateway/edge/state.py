@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.edge.auth import AccessPolicy
 from gateway.rtc.manager import SessionManager
 from gateway.rtc.services import SessionServices
-from gateway.service.admission import Admission
+from gateway.service.admission import Admission, StreamCounts
 from gateway.service.loop_lag import LoopLagMonitor
 from gateway.service.metrics import Metrics
 from gateway.speech.engine import EngineState
@@ -30,12 +30,12 @@ class GatewayState:
     """Configuration, metrics, admission, access, the synthesizer (and its one engine) and the sessions."""
 
     def __init__(self, config: GatewayConfig, synthesizer: Synthesizer | None = None,
-                 session_id_prefix: str = "") -> None:
+                 session_id_prefix: str = "", stream_counts: StreamCounts | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.synthesizer = synthesizer
         self.session_id_prefix = session_id_prefix  # `w<index>-` in a worker process: who owns a session
-        self.admission = Admission.from_config(config)
+        self.admission = Admission.from_config(config, stream_counts)  # counts: every worker's utterances
         self.access = AccessPolicy.from_lists(config.auth_token, config.auth_secret, config.allowed_origin)
         self.sessions = SessionManager(
             SessionServices(config, self.metrics, self.admission, self._speaking_synthesizer), session_id_prefix)
