@@ -90,6 +90,11 @@ def socket_path(folder: str | Path, index: int) -> Path:
     return Path(folder) / f"w{index}.sock"
 
 
+def worker_name(request: web.Request) -> str:
+    """The name of the worker answering `request` ("w<index>", its session ids' prefix; "" outside `--workers`)."""
+    return request.app[GATEWAY_KEY].session_id_prefix.strip("-")
+
+
 def other_workers(folder: str | Path, own: str) -> list[Path]:
     """The Unix sockets of the workers other than `own` ("w<index>") in `folder`, from the next index up and
     around (so that workers passing offers on do not all try the same one first). Blocking: a directory listing."""
@@ -136,12 +141,12 @@ async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResp
     if match is None or match.group(1).startswith(gateway.session_id_prefix):
         if _is_offer_without_room(request):
             if FORWARDED_HEADER in request.headers:  # the passing worker tries the next, and counts a refusal
-                return json_error(503, AT_CAPACITY, f"no session slot in {gateway.session_id_prefix.strip('-')}")
+                return json_error(503, AT_CAPACITY, f"no session slot in {worker_name(request)}")
             if (taken := await _offer_elsewhere(request)) is not None:
                 return taken
         response = await handler(request)  # here, or refused here (and counted once) when every worker is full
         if not response.prepared:  # a streamed response (speech) has sent its headers already
-            response.headers[WORKER_HEADER] = gateway.session_id_prefix.strip("-")
+            response.headers[WORKER_HEADER] = worker_name(request)
         return response
     owner = int(match.group(2))
     folder = os.environ.get(WORKER_SOCKETS_ENV, "")
@@ -164,7 +169,7 @@ async def _offer_elsewhere(request: web.Request) -> web.Response | None:
     """The first answer to this offer from the other workers, in turn from the next one up (so that full workers
     spread what they pass on), that is not `at_capacity`; None when none has a slot or answers (then this worker
     refuses it itself, with its Retry-After)."""
-    own = request.app[GATEWAY_KEY].session_id_prefix.strip("-")
+    own = worker_name(request)
     for path in await asyncio.to_thread(other_workers, os.environ[WORKER_SOCKETS_ENV], own):
         try:
             answer = await _relay(request, path)
@@ -185,7 +190,7 @@ def _error_code(response: web.Response) -> str | None:
 
 async def _relay(request: web.Request, path: Path) -> web.Response:
     """This request as another worker (at its Unix socket `path`) answers it, marked as passed on by this one."""
-    own = request.app[GATEWAY_KEY].session_id_prefix.strip("-")
+    own = worker_name(request)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
     headers[FORWARDED_HEADER] = own
     body = await request.read()  # aiohttp keeps it: a relay after another reads the same bytes
@@ -207,7 +212,7 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
     (`orpheus_metrics_workers` says how many workers did)."""
     local = await handler(request)
     gateway = request.app[GATEWAY_KEY]
-    own = gateway.session_id_prefix.strip("-")
+    own = worker_name(request)
     folder = os.environ.get(WORKER_SOCKETS_ENV, "")
     if local.status != 200 or not folder or not isinstance(local, web.Response) or local.body is None:
         return local  # refused (auth) or not under the supervisor: as a single gateway answers
@@ -282,6 +287,11 @@ class Child:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+
+    @property
+    def worker_index(self) -> int | None:
+        """Its index if it is a gateway worker (None: `vllm serve`, the SNAC process)."""
+        return int(self.env[WORKER_INDEX_ENV]) if self.name.startswith("worker") else None
 
     def start(self) -> None:
         # Own process group: vllm serve's engine-core child is stopped with it.
@@ -363,8 +373,8 @@ class Supervisor:
                     if child.exited and not self._stopping:
                         assert child.proc is not None
                         log.error("%s exited with %s; restarting", child.name, child.proc.returncode)
-                        if child.name.startswith("worker"):  # its utterances ended with it
-                            clear_stream_count(self.stream_counts, int(child.env[WORKER_INDEX_ENV]))
+                        if child.worker_index is not None:  # its utterances ended with it
+                            clear_stream_count(self.stream_counts, child.worker_index)
                         time.sleep(RESTART_DELAY_S)
                         child.restarts += 1
                         child.start()
@@ -375,8 +385,8 @@ class Supervisor:
                 child.wait(STOP_TIMEOUT_S)
             with contextlib.suppress(OSError):
                 for child in self.children:
-                    if child.name.startswith("worker"):
-                        socket_path(self.sockets, int(child.env[WORKER_INDEX_ENV])).unlink(missing_ok=True)
+                    if child.worker_index is not None:
+                        socket_path(self.sockets, child.worker_index).unlink(missing_ok=True)
                 (Path(self.sockets) / SNAC_SOCKET_NAME).unlink(missing_ok=True)
                 self.stream_counts.unlink(missing_ok=True)
                 if self._own_folder:
