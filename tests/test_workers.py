@@ -44,6 +44,10 @@ class Workers:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def http(self, index: int) -> aiohttp.ClientSession:
+        """A client of worker `index`'s own Unix socket (URLs: http://worker/...)."""
+        return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket_path(self.sockets, index))))
+
     def worker_pids(self, module: str = "gateway.cluster.workers") -> list[int]:
         """Live workers, or other children running `module` (a killed one is a zombie until the supervisor's
         next poll reaps it)."""
@@ -144,8 +148,7 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
 
         # A session of worker 1 ended through worker 0's own socket: passed on to worker 1.
         w1_session = next(p.session_id for p in peers if p.session_id and p.session_id.startswith("w1-"))
-        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
-        async with aiohttp.ClientSession(connector=connector) as http:
+        async with workers.http(0) as http:
             status, headers = await _delete(http, "http://worker", w1_session)
             assert (status, headers[WORKER_HEADER], headers[FORWARDED_HEADER]) == (204, "w1", "w0")
             again, _ = await _delete(http, "http://worker", w1_session)
@@ -186,14 +189,12 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
     gets 503 `at_capacity` with its Retry-After, counted once among the refusals. Every session then ends through
     the public port."""
     async def offer() -> tuple[int, dict[str, str], dict[str, Any]]:
-        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
-        async with aiohttp.ClientSession(connector=connector) as http, \
+        async with workers.http(0) as http, \
                 http.post(f"http://worker{OFFER_PATH}", json={"sdp": await offer_sdp(), "type": "offer"}) as r:
             return r.status, dict(r.headers), await r.json()
 
     async def whep_offer() -> tuple[int, dict[str, str]]:  # SDP in and out
-        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 0)))
-        async with aiohttp.ClientSession(connector=connector) as http, \
+        async with workers.http(0) as http, \
                 http.post("http://worker/whep", data=(await offer_sdp()).encode(),
                           headers={"Content-Type": "application/sdp"}) as r:
             await r.read()
@@ -246,7 +247,7 @@ async def test_utterances_count_against_one_limit_across_workers(workers: Worker
     held: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = []
 
     async def speak(index: int) -> aiohttp.ClientResponse:  # returns at its first audio (200), or its refusal
-        http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket_path(workers.sockets, index))))
+        http = workers.http(index)
         resp = await http.post("http://worker/v1/audio/speech", json={"input": text, "response_format": "pcm"})
         held.append((http, resp))
         return resp
@@ -267,8 +268,7 @@ async def test_utterances_count_against_one_limit_across_workers(workers: Worker
             await http.close()
     deadline = time.monotonic() + 60  # the closed requests end once the server notices (aborted in vLLM)
     while True:
-        connector = aiohttp.UnixConnector(path=str(socket_path(workers.sockets, 1)))
-        async with aiohttp.ClientSession(connector=connector) as http, \
+        async with workers.http(1) as http, \
                 http.post("http://worker/v1/audio/speech", json={"input": "Again.", "response_format": "pcm"}) as r:
             if r.status == 200:
                 assert len(await r.read()) > 0
