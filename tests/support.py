@@ -283,7 +283,7 @@ async def wait_for_coturn(coturn: Coturn) -> None:
         try:
             (await allocate(coturn.port, *turn_rest_credentials(TURN_SECRET, 60, "probe"))).close()
             return
-        except (asyncio.TimeoutError, ConnectionError, stun.TransactionError, OSError):
+        except (TimeoutError, ConnectionError, stun.TransactionError, OSError):
             if time.monotonic() > deadline:
                 raise AssertionError(f"coturn did not allocate within {TURN_START_TIMEOUT_S} s:\n"
                                      f"{coturn.log_tail()}") from None

@@ -1,7 +1,7 @@
 """FFmpeg in the calling thread (`gateway.media.avthreads`): nothing of a session's media path (the WebRTC Opus
 encoder, playout resampling, time stretch, the HTTP encoders) starts threads of its own in a process that imported
 `gateway.media`. Found at 256 peers on an H200 host (16 cores): 29 threads per session in the workers
-(bench.faults)."""
+(gateway.benchmarks.faults)."""
 
 from __future__ import annotations
 

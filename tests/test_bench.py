@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from bench import fast_start
-from bench.corpus import SIZES, mixed
-from bench.engine_level import START_FRAMES
-from bench.report import markdown_table
-from bench.run import run_scenarios
-from bench.settings import parse_options
-from bench.timing import describe, simulate_playback, token_budget
-from bench.webrtc_level import audio_frames, delivery_jitter_ms
+from gateway.benchmarks import fast_start
+from gateway.benchmarks.corpus import SIZES, mixed
+from gateway.benchmarks.engine_level import START_FRAMES
+from gateway.benchmarks.report import markdown_table
+from gateway.benchmarks.run import run_scenarios
+from gateway.benchmarks.settings import parse_options
+from gateway.benchmarks.timing import describe, simulate_playback, token_budget
+from gateway.benchmarks.webrtc_level import audio_frames, delivery_jitter_ms
 from gateway.config import GatewayConfig
 from gateway.devtools.client import OPUS_RATE, ReceivedFrame
 from gateway.speech.synthesizer import Synthesizer
@@ -169,7 +169,7 @@ async def test_webrtc_level_with_client_processes(synthesizer: Synthesizer, test
 
 
 def test_opus_cpu_bench_writes_both_paths(tmp_path: Path) -> None:
-    from bench.opus_cpu import main
+    from gateway.benchmarks.opus_cpu import main
 
     out = tmp_path / "opus.json"
     assert main(["--frames", "20", "--peers", "2", "--out", str(out)]) == 0
@@ -180,8 +180,8 @@ def test_opus_cpu_bench_writes_both_paths(tmp_path: Path) -> None:
 
 
 def test_client_cpu_bench_receives_every_frame_with_both_receivers(tmp_path: Path) -> None:
-    """bench.client_cpu: both receivers get the paced stream (50 frames a second a peer) and their CPU is counted."""
-    from bench.client_cpu import RECEIVERS, main
+    """benchmarks.client_cpu: both receivers get the paced stream (50 frames a second a peer) and their CPU counted."""
+    from gateway.benchmarks.client_cpu import RECEIVERS, main
 
     out = tmp_path / "client.json"
     assert main(["--peers", "2", "--seconds", "1", "--out", str(out)]) == 0
@@ -193,7 +193,7 @@ def test_client_cpu_bench_receives_every_frame_with_both_receivers(tmp_path: Pat
 
 
 def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_path: Path) -> None:
-    """bench.fast_start runs the real stream decoder in model time: the bridge hands out audio past the first
+    """benchmarks.fast_start runs the real stream decoder in model time: the bridge hands out audio past the first
     frame before the exact stream takes over; without it, the exact stream takes over after one frame."""
     out = tmp_path / "fast_start.json"
     assert fast_start.main(["--paces", "3", "--frames", "12", "--dilation", "4", "--policies", "bridge-la1,first-only",
@@ -205,10 +205,10 @@ def test_fast_start_bench_times_the_bridge_against_the_first_chunk_alone(tmp_pat
 
 
 def test_decoder_schedule_decodes_every_stream_whole_with_and_without_the_hold(tmp_path: Path) -> None:
-    """bench.decoder_schedule (CPU smoke): paced streams through the gateway's StreamDecoder, stepping at every frame
+    """benchmarks.decoder_schedule (CPU smoke): paced streams through the gateway's StreamDecoder, stepping per frame
     and with the hold, at two due leads, the audio reaching its listener 30 ms late; every sentence's audio comes
     out whole each time."""
-    from bench import decoder_schedule
+    from gateway.benchmarks import decoder_schedule
 
     out = tmp_path / "schedule.json"
     assert decoder_schedule.main(["--streams", "2", "--frames", "6", "--listener-ms", "500", "--holds", "0,0.05",
@@ -221,9 +221,9 @@ def test_decoder_schedule_decodes_every_stream_whole_with_and_without_the_hold(t
 
 
 def test_decoder_schedule_compares_the_start_policies(tmp_path: Path) -> None:
-    """bench.decoder_schedule --starts: at real-time pace, listeners without a buffer start from the exact stream
+    """benchmarks.decoder_schedule --starts: at real-time pace, listeners without a buffer start from the exact stream
     (no bridge decode) under `exact-or-bridge`, from the bridge under `bridge-held`; both come out whole."""
-    from bench import decoder_schedule
+    from gateway.benchmarks import decoder_schedule
 
     out = tmp_path / "starts.json"
     assert decoder_schedule.main(["--streams", "2", "--frames", "6", "--pace", "1.0", "--listener-ms", "0",
@@ -235,10 +235,10 @@ def test_decoder_schedule_compares_the_start_policies(tmp_path: Path) -> None:
 
 
 def test_decoder_schedule_runs_the_same_load_in_process_and_behind_the_codec_server(tmp_path: Path) -> None:
-    """bench.decoder_schedule --decoders: the same paced streams through the decoder in this process and through a
+    """benchmarks.decoder_schedule --decoders: the same paced streams through the decoder in this process and through a
     StreamCodecServer on a socket; both come out whole, and each row has the decoder's own view of the starts
     (a hold from the head in, and the pace planned at: real time here, 85 ms a frame, loosely on a busy CPU)."""
-    from bench import decoder_schedule
+    from gateway.benchmarks import decoder_schedule
 
     out = tmp_path / "where.json"
     assert decoder_schedule.main(["--streams", "2", "--frames", "6", "--pace", "1.0", "--listener-ms", "0",
@@ -253,9 +253,9 @@ def test_decoder_schedule_runs_the_same_load_in_process_and_behind_the_codec_ser
 
 
 def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:
-    """bench.snac_work (eager variants): a window moves ~2.5x the bytes of a stream step per new frame, the masked
+    """benchmarks.snac_work (eager variants): a window moves ~2.5x the bytes of a stream step per new frame, the masked
     step more than the unmasked one, and snac's Snake counts as one kernel per activation."""
-    from bench import snac_work
+    from gateway.benchmarks import snac_work
 
     out = tmp_path / "snac_work.json"
     assert snac_work.main(["--out", str(out), "--no-compiled"]) == 0
@@ -268,7 +268,7 @@ def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:
 
 
 def test_snac_profile_runs_and_sorts_kernels_into_kinds(tmp_path: Path) -> None:
-    """bench/device/snac_profile.py: its CPU smoke run profiles both decoders, and CUDA kernel names (as an H200's
+    """tools/device/snac_profile.py: its CPU smoke run profiles both decoders, and CUDA kernel names (as an H200's
     profiles show them) land in the kinds that say what bounds a step."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "bench" / "device"))
     try:
@@ -297,7 +297,7 @@ def test_snac_profile_runs_and_sorts_kernels_into_kinds(tmp_path: Path) -> None:
 def test_a_server_underrun_is_a_stall_at_0_ms_only() -> None:
     """A one-frame server underrun reads as audio at the client (Opus' spill), so at 0 ms the server's count
     decides; a buffered listener's figure stays the client's."""
-    from bench.records import RequestRecord, apply_arrivals, count_server_underruns
+    from gateway.benchmarks.records import RequestRecord, apply_arrivals, count_server_underruns
 
     arrivals = [(0.1 + 0.02 * i, 0.02) for i in range(50)]  # on time: no client stall at any buffer
     records = []
@@ -318,7 +318,7 @@ def test_a_server_underrun_is_a_stall_at_0_ms_only() -> None:
 async def test_webrtc_peers_ask_for_the_listener_buffer(synthesizer: Synthesizer,
                                                          test_config: GatewayConfig) -> None:
     """--listener-buffer-ms reaches the server: the bench's peers ask for it and the session's `ready` says so."""
-    from bench.webrtc_level import LocalGateway, close_all, connect_all
+    from gateway.benchmarks.webrtc_level import LocalGateway, close_all, connect_all
     from gateway.devtools.client import HeadlessPeer
 
     async with LocalGateway(test_config, synthesizer) as gateway:
@@ -335,7 +335,7 @@ def test_a_listener_buffer_the_gateway_holds_sets_the_stall_views() -> None:
     """--listener-buffer-ms: the stall views are total buffers (none below the one the gateway holds); over WebRTC
     the server held that much, so the client side plays with the rest, and the server's underruns count in the
     view of its own buffer."""
-    from bench.records import RequestRecord, apply_arrivals, count_server_underruns
+    from gateway.benchmarks.records import RequestRecord, apply_arrivals, count_server_underruns
 
     options = parse_options(["--listener-buffer-ms", "500"])
     assert (options.listener_buffer_ms, options.buffers_ms) == (500, [500])
@@ -357,7 +357,7 @@ def test_a_listener_buffer_the_gateway_holds_sets_the_stall_views() -> None:
 
 
 def test_device_stage_folders_fit_a_call_and_join_back_to_the_same_files(tmp_path: Path) -> None:
-    """bench/device/pack.py: every folder stays within a call's carry, a file larger than a part is cut, and the
+    """tools/device/pack.py: every folder stays within a call's carry, a file larger than a part is cut, and the
     stage calls' merge joins each file back byte for byte, checked against the digests only once all are in."""
     import os
     import shutil
@@ -391,11 +391,11 @@ def test_device_stage_folders_fit_a_call_and_join_back_to_the_same_files(tmp_pat
 
 
 def test_views_read_a_kept_run_again_with_other_client_buffers(tmp_path: Path, capsys: Any) -> None:
-    """bench.views: a stream whose frame comes 30 ms late stalls with no client buffer and plays with 40 ms; one the
+    """benchmarks.views: a stream whose frame comes 30 ms late stalls with no client buffer and plays at 40 ms; one the
     server ran dry stalls in every view; a run without arrivals is refused."""
     import gzip
 
-    from bench import views
+    from gateway.benchmarks import views
 
     frames = [[100.0 + 20 * i + (30 if i >= 10 else 0), 20.0] for i in range(50)]
     on_time = [[100.0 + 20 * i, 20.0] for i in range(50)]
@@ -430,8 +430,8 @@ def test_stalls_are_placed_in_moments_and_client_processes() -> None:
     """Streams of two client processes that stall at the same moment of the point's clock are one moment, whatever
     their sending times; a third process's stall half a second later is another; a stall counted from a server
     underrun alone has no client-seen place."""
-    from bench.records import RequestRecord, apply_arrivals, count_server_underruns, summarize
-    from bench.report import markdown_table
+    from gateway.benchmarks.records import RequestRecord, apply_arrivals, count_server_underruns, summarize
+    from gateway.benchmarks.report import markdown_table
 
     def record(user: int, sent_at_s: float, late_at_s: float | None, process: int, underruns: int = 0
                ) -> RequestRecord:
@@ -460,7 +460,7 @@ def test_stalls_are_placed_in_moments_and_client_processes() -> None:
 
 
 def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:
-    from bench.records import underruns_where
+    from gateway.benchmarks.records import underruns_where
 
     servers = [{"audio_ms": 5000, "underrun_at_ms": [80, 2400, 4960]}, {"audio_ms": 900, "underrun_at_ms": [200]},
                {"audio_ms": 3000}]
@@ -468,11 +468,11 @@ def test_underruns_are_placed_at_the_start_the_middle_or_the_end() -> None:
 
 
 def test_snac_work_counts_the_selects_a_fused_kernel_evaluates() -> None:
-    """bench.snac_work's evaluated operations: a row written by slice copies (the compiled SNAC step's old state
+    """benchmarks.snac_work's evaluated operations: a row written by slice copies (the compiled SNAC step's old state
     write) becomes a chain of selects that every value evaluates; the same row written by one cat does not."""
     import torch._inductor.config as inductor_config
 
-    from bench import snac_work
+    from gateway.benchmarks import snac_work
 
     def by_slices(pieces: list[torch.Tensor]) -> torch.Tensor:
         row = torch.empty(pieces[0].shape[0], sum(p.shape[1] for p in pieces))
@@ -503,7 +503,7 @@ def test_snac_work_sees_a_gpu_recompute_what_a_cat_used_only_by_taps_holds() -> 
     fresh values (the new history, as `_Decoder.stream` takes it) makes Inductor write the concatenation once."""
     import torch._inductor.config as inductor_config
 
-    from bench import snac_work
+    from gateway.benchmarks import snac_work
 
     def taps(history: torch.Tensor, x: torch.Tensor, tail_from_fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
         fresh = torch.sin(x)
@@ -529,7 +529,7 @@ def test_snac_counters_sum_every_decoder_in_a_merged_exposition() -> None:
     process that decodes (here two, as two workers' own decoders) add up; buckets and other metrics do not."""
     from prometheus_client import CollectorRegistry
 
-    from bench.gateway_procs import snac_counters
+    from gateway.benchmarks.gateway_procs import snac_counters
     from gateway.service.metrics import Metrics, SnacMetrics, merge_worker_expositions
 
     first, second = SnacMetrics(CollectorRegistry()), SnacMetrics(CollectorRegistry())
@@ -549,7 +549,7 @@ def test_snac_counters_sum_every_decoder_in_a_merged_exposition() -> None:
 
 
 def test_cpu_by_kind_counts_a_process_started_mid_point_from_zero() -> None:
-    from bench.gateway_procs import cpu_by_kind
+    from gateway.benchmarks.gateway_procs import cpu_by_kind
 
     before = {10: ("worker", 5.0), 11: ("worker", 7.0), 12: ("snac", 2.0)}
     after = {10: ("worker", 6.5), 11: ("worker", 7.5), 13: ("snac", 0.4)}  # the SNAC process was restarted
@@ -557,9 +557,9 @@ def test_cpu_by_kind_counts_a_process_started_mid_point_from_zero() -> None:
 
 
 def test_the_longest_decoder_tick_between_two_readings_comes_from_the_counts() -> None:
-    """bench.probes reads the decoder's tick counts at a point's start and end (it no longer resets the decoder's
+    """benchmarks.probes reads the decoder's tick counts at a point's start and end (it no longer resets the decoder's
     own maximum): the longest tick in between, in whole ms; the longest before the point does not count."""
-    from bench.probes import longest_tick_ms
+    from gateway.benchmarks.probes import longest_tick_ms
     from gateway.speech.stream_decoder import TICK_MS_BUCKETS, DecodeStats
 
     stats = DecodeStats()

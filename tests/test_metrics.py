@@ -8,7 +8,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.gateway_procs import loop_lag_buckets, loop_lag_summary
+from gateway.benchmarks.gateway_procs import loop_lag_buckets, loop_lag_summary
 from gateway.service.loop_lag import LoopLagMonitor
 from gateway.service.metrics import Metrics, merge_worker_expositions
 

@@ -1,5 +1,5 @@
 """The session protocol module: one parser for every client message (bad input -> a named error), events encoded
-as the schema says, and the schema files generated from the types (the page loads web/protocol.schema.json)."""
+as the schema says, and the schema files generated from the types (the page loads gateway/web/protocol.schema.json)."""
 
 from __future__ import annotations
 

@@ -469,7 +469,7 @@ async def test_engine_core_killed_mid_stream_is_engine_dead(remote_synth: Synthe
                                                             vllm_server: VllmServer) -> None:
     """Last: SIGKILL of `vllm serve`'s engine core only (what an OOM kill or a GPU fault does): vLLM reports it inside
     the stream (an error event, code 500) and shuts its API server down. The utterance ends `engine_dead`, not as
-    a bug (`engine_error`: found by bench.faults on an H200), and the restarted server serves again."""
+    a bug (`engine_error`: found by gateway.benchmarks.faults on an H200), and the restarted server serves again."""
     error: EngineDeadError | None = None
     for _ in range(KILL_ATTEMPTS):
         assert vllm_server.proc is not None

@@ -268,7 +268,7 @@ def decode_staggered(snac: StreamingSnac, chosen: list[Utterance], ticks: int,
 def test_graph_buckets_emulated(snac_model: torch.nn.Module, utterances: dict[int, Utterance]) -> None:
     """The CUDA-graph path's host logic on CPU: static inputs, batches padded to a bucket with rows on the scratch
     slot, masked and unmasked graphs, batches split at the largest bucket. (The capture itself needs a GPU:
-    bench/device/snac_stream_bench.py checks the captured graphs against `SNAC.decode`.)"""
+    tools/device/snac_stream_bench.py checks the captured graphs against `SNAC.decode`.)"""
     snac = StreamingSnac(snac_model, "cpu", "float32", max_streams=8)
     snac.capture_graphs(max_batch=3, buckets=(1,), emulate=True)
     assert sorted(snac._graphs) == [(False, 1), (False, 3), (True, 1), (True, 3)]

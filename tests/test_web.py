@@ -1,4 +1,4 @@
-"""The avatar page (web/) in a real headless Chromium, against the real engine on the tiny model.
+"""The avatar page (gateway/web/) in a real headless Chromium, against the real engine on the tiny model.
 
 The tiny model speaks noise-like audio from a random codec: it still has energy, so the avatar's mouth
 moves and the browser's own getStats() counts packets and samples.
@@ -242,7 +242,7 @@ async def test_stop_cancels_a_long_text_and_disconnect_ends_the_session(page: An
 
 async def test_a_server_gone_silent_is_noticed_and_the_page_reconnects_by_itself(page: Any, server: TestServer
                                                                                 ) -> None:
-    """A server that stops answering without closing anything, as a killed gateway worker does (bench.faults: its
+    """A server that stops answering without closing anything, as a killed gateway worker does (benchmarks.faults: its
     clients noticed only through ICE consent checks, after ~31 s): the page's pings go unanswered, and within
     three ping intervals it drops the peer and says so. Then it comes back by itself (here to the same server, which
     still runs), with the voice the student picked, and speaks again; the phrase the loss cut off is shown as not

@@ -175,7 +175,7 @@ async def test_sessions_spread_over_workers_speak_and_end_through_any_worker(wor
     passes = {s.labels["worker"]: s.value for s in families["orpheus_snac_batch_size"].samples
               if s.name.endswith("_count")}
     assert passes["snac"] > 0 and passes.get("w0", 0) == 0 and passes.get("w1", 0) == 0, passes
-    # ... and the first audios it decoded, with their holds (`bench.run --gateway-url` reads them there)
+    # ... and the first audios it decoded, with their holds (`gateway.benchmarks.run --gateway-url` reads them there)
     starts: dict[str, float] = {}  # by worker, summed over where the audio came from (exact stream or bridge)
     for sample in families["orpheus_snac_first_audio_hold_seconds"].samples:
         if sample.name.endswith("_count"):
@@ -324,7 +324,7 @@ async def test_one_snac_process_decodes_for_every_worker_and_is_restarted(worker
 def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> None:
     """`bench --gateway-url --gateway-pid`: the WebRTC level against a gateway in other processes, clients in
     their own; each point splits the gateway's CPU by process and reads SNAC's batching from its /metrics."""
-    from bench.run import main
+    from gateway.benchmarks.run import main
 
     out = tmp_path / "bench"
     argv = ["--gateway-url", workers.url, "--gateway-pid", str(workers.proc.pid), "--quick", "--scenario",
@@ -344,10 +344,10 @@ def test_bench_against_the_running_workers(workers: Workers, tmp_path: Path) -> 
     assert pipeline["workers_loop_lag"]["samples"] > 0 and pipeline["snac_loop_lag"]["samples"] > 0
 
 def test_fault_bench_kills_the_snac_process_and_every_utterance_ends_once(workers: Workers, tmp_path: Path) -> None:
-    """`bench.faults` against the running workers, the SNAC fault (seconds; a killed worker's peers take ~30 s of
+    """`benchmarks.faults` against the running workers, the SNAC fault (seconds; a killed worker's peers take ~30 s of
     ICE consent checks to notice, too long here): peers keep speaking through the kill, every utterance ends
     exactly once, no session is lost, and new sessions speak again."""
-    from bench.faults import main
+    from gateway.benchmarks.faults import main
 
     out = tmp_path / "faults"
     argv = ["--gateway-url", workers.url, "--supervisor-pid", str(workers.proc.pid), "--sockets",

@@ -155,7 +155,7 @@ async def forward_to_owner(request: web.Request, handler: Any) -> web.StreamResp
         return json_error(404, "unknown_session", "no such session")
     try:
         return await _relay(request, path)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         return json_error(503, "worker_unavailable", f"the worker holding this session ({owner}) does not answer")
 
 
@@ -173,7 +173,7 @@ async def _offer_elsewhere(request: web.Request) -> web.Response | None:
     for path in await asyncio.to_thread(other_workers, os.environ[WORKER_SOCKETS_ENV], own):
         try:
             answer = await _relay(request, path)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             continue  # restarting, or gone: the next one
         if answer.status == 503 and _error_code(answer) == AT_CAPACITY:
             continue
@@ -230,7 +230,7 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
                                              timeout=aiohttp.ClientTimeout(METRICS_FETCH_TIMEOUT_S)) as http, \
                     http.get(f"http://worker{METRICS_PATH}", headers=headers) as resp:
                 return name, (await resp.text()) if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return name, None
 
     texts = {own: bytes(local.body).decode()}  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ A frame's arrival time is when aiortc's receive jitter buffer releases it; that 
 (`RECEIVE_PREFETCH_PACKETS`), as a browser's does on a clean network, so the stamps carry no extra delay.
 The frame is decoded right there, in the event loop (`InLoopAudioDecoder`), not in the decoder thread aiortc gives
 each receiver: benchmarks run hundreds of peers in a few client processes, and the thread's hand-offs, its track's
-queue and stereo decoding cost more than the mono decode itself (`bench.client_cpu`, 2-core dev VM, 32 peers of
+queue and stereo decoding cost more than the mono decode itself (`benchmarks.client_cpu`, 2-core dev VM, 32 peers of
 paced speech in one process: 149 us of CPU per frame, 0.24 cores, against 301 us and 0.48 through aiortc's own
 receiver; other runs 145-212 against 234-415, the sender sharing the 2 cores).
 It builds its messages with `gateway.rtc.protocol` and checks every event it receives against it: an event the

@@ -137,9 +137,9 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=gateway.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-# --- the avatar page (web/) ---------------------------------------------------------------------------
+# --- the avatar page (gateway/web/) ------------------------------------------------------------------------
 
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"  # the repository's web/, beside gateway/
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"  # gateway/web/, installed as package data
 # Explicit types: aiohttp's guess for .js is application/javascript from the system's mime.types.
 WEB_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                      ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml",
@@ -147,7 +147,7 @@ WEB_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascrip
 
 
 async def web_file(request: web.Request) -> web.FileResponse:
-    """`GET /` is web/index.html; `GET /static/{name}` a file of web/ (flat: the name pattern has no '/')."""
+    """`GET /` is web/index.html; `GET /static/{name}` a file of gateway/web/ (flat: the name has no '/')."""
     name = request.match_info.get("name", "index.html")
     path = WEB_DIR / name
     content_type = WEB_CONTENT_TYPES.get(path.suffix)

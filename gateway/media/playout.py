@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from fractions import Fraction
 from typing import Any
 
@@ -105,7 +105,7 @@ _SILENCE = bytes(FRAME_BYTES)
 _FramePayload = bytes | np.ndarray
 
 
-class PlayoutEventKind(str, Enum):
+class PlayoutEventKind(StrEnum):
     """A str subclass so ``event.kind == "started"`` works (StrEnum is 3.11+)."""
 
     STARTED = "started"

@@ -3,7 +3,7 @@ data channel, client -> server and server -> client.
 
 This module is the single source of the protocol: the server parses and builds messages with these classes,
 the headless client (`gateway.devtools.client`) does too, `protocol_schema()` generates the JSON Schema that
-`docs/protocol.md` shows and the page loads (`web/protocol.schema.json`, checked equal to the generated one by
+`docs/protocol.md` shows and the page loads (`gateway/web/protocol.schema.json`, checked equal to the generated one by
 the tests), and the browser test validates what the page sends and receives against it.
 
 Wire rules: one JSON object per message, UTF-8 text, at most `MAX_MESSAGE_BYTES`; `type` names the message.
@@ -356,7 +356,7 @@ def protocol_schema() -> dict[str, Any]:
     }
 
 
-SCHEMA_FILES = (Path("web/protocol.schema.json"), Path("docs/protocol.schema.json"))
+SCHEMA_FILES = (Path("gateway/web/protocol.schema.json"), Path("docs/protocol.schema.json"))
 
 
 def schema_text() -> str:

@@ -283,7 +283,7 @@ class Session:
         channel.once("bufferedamountlow", drained.set)  # threshold 0: everything queued has been sent
         try:
             await asyncio.wait_for(drained.wait(), CLOSE_FLUSH_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             channel.remove_listener("bufferedamountlow", drained.set)
 
     async def close(self) -> None:

@@ -115,7 +115,7 @@ class TimingService:
             try:
                 # shield: a timeout must not cancel the thread's future (it runs on, keeping the worker busy).
                 return await asyncio.wait_for(asyncio.shield(result), ALIGN_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.debug("alignment later than %.1f s; estimating", ALIGN_TIMEOUT_S)
             except Exception:
                 log.warning("alignment failed; estimating", exc_info=True)

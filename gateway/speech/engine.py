@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 # What a client is told to wait before asking again while the engine (re)starts: a restart takes tens of seconds
-# (96 s for `vllm serve` on an H200, bench.faults), and clients that ask every second only add load.
+# (96 s for `vllm serve` on an H200, gateway.benchmarks.faults), and clients that ask every second only add load.
 ENGINE_RETRY_AFTER_S = 5
 
 

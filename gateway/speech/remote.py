@@ -143,7 +143,7 @@ class RemoteEngine(EngineBase):
                 server.model = await self._served_model(session, server, timeout)
             if not server.warmed_up:
                 await self._warm_up(session, server)
-        except (aiohttp.ClientError, asyncio.TimeoutError, _ServerUnusableError) as exc:
+        except (TimeoutError, aiohttp.ClientError, _ServerUnusableError) as exc:
             self._take_out(server, _describe(exc))
             return
         self._put_back(server)
@@ -247,7 +247,7 @@ class RemoteEngine(EngineBase):
         try:
             response = await _send(session, "POST", f"{server.url}/v1/completions",
                                    json={**body, "model": server.model})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise _ServerUnusableError(f"connection failed: {_describe(exc)}") from exc
         if response.status == 200:
             return response
@@ -317,7 +317,7 @@ class RemoteEngine(EngineBase):
         while True:
             try:
                 line = await response.content.readline()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 self._take_out(server, f"stream broke: {_describe(exc)}")
                 raise EngineDeadError(f"the vLLM server {server.url} stopped during this request") from exc
             if not line:

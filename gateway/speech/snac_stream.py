@@ -44,7 +44,7 @@ joins consecutive `step_batch` calls (`drain` does that); its GPU work per frame
 of replays grows. `chunk_frames=k` is available for offline or throughput-bound use: fewer flush steps
 (ceil(4757 / (2048 k))) and fewer replays. Work per utterance of N frames: N + 3 frame-steps (the 3 flush
 steps), e.g. 1.075 decoded frames per new frame at N = 40, against ~2.9 for sliding 3-frame windows (the
-benchmarks' baseline, bench/device/windows_baseline.py).
+benchmarks' baseline, tools/device/windows_baseline.py).
 
 Latency and fast start: exact audio up to sample p needs the frames up to sample p + 4757, 2709 samples (113 ms
 of audio, 1.32 frame times at generation pace) later than sliding windows with one frame of lookahead; the
@@ -673,7 +673,7 @@ class StreamingSnac:
         # The wait for the GPU (a tick's steps, a bridge decode). A blocking event: the thread sleeps until the
         # work is done, where a stream sync spins (CUDA's default with fewer contexts than cores) and holds a core
         # all along. The decoder thread used ~2/3 of a core at 384 streams on the H200 (2026-12-04), its host work
-        # ~1.4 ms per tick of that (bench.decoder_host): the rest was spinning.
+        # ~1.4 ms per tick of that (gateway.benchmarks.decoder_host): the rest was spinning.
         self._device_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self.stats = StreamStats()
 

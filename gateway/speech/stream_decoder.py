@@ -83,7 +83,7 @@ FIRST_AUDIO_LOOKAHEAD = 1
 # A stream whose audio runs less than this ahead of its listener is stepped now. Its audio must then reach the
 # playout before the lead runs out, through the worker's longest tick (engine level, H100: 67 ms at 384 streams,
 # 144 at 448) and, with the shared SNAC process, a socket and a busy worker's event loop. With the decoder alone
-# and a 60 ms trip to the listener (bench.decoder_schedule, H200, 500 ms listeners) neither 50 nor 200 ms stalled
+# and a 60 ms trip to the listener (benchmarks.decoder_schedule, H200, 500 ms listeners) neither 50 nor 200 ms stalled
 # a stream at 256 or 384; 200 ms cut the longest tick at 384 from 60 to 24 ms and first audio p50 from 197 to 171
 # ms. (The lessons' collapse over WebRTC it was raised for came from workers and the lead's model instead:
 # docs/benchmarks.md, 2026-12-05 afternoon.) Listeners at 0 ms are below it from their first audio on.
@@ -92,7 +92,7 @@ DUE_LEAD_S = 0.2
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
 TICK_MS_BUCKETS = 1001  # DecodeStats.tick_ms: 0..999 ms, then 1 s or more
-THREAD_NAME = "snac-stream-decoder"  # the worker thread (bench.probes reads its CPU time by this name)
+THREAD_NAME = "snac-stream-decoder"  # the worker thread (gateway.benchmarks.probes reads its CPU time by this name)
 
 
 def lead_always_runs() -> bool:
@@ -105,7 +105,7 @@ Command = tuple[str, "DecodeStream", Any]  # (open | push | finish | close, the 
 
 @dataclass
 class DecodeStats:
-    """A decoder's batched steps so far (bench.probes reads them; the metrics hook gets each step as it runs)."""
+    """A decoder's batched steps so far (benchmarks.probes reads them; the metrics hook gets each step as it runs)."""
 
     batches: int = 0  # batched steps
     windows: int = 0  # stream-steps in them: one frame of one stream each
@@ -176,7 +176,7 @@ class StreamDecoder:
         self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
         # How a first audio starts (`_first_audio_at`): from the exact stream or a held bridge, whichever suits
         # the pace; from a held bridge only; from the bridge at once, as before the hold (benchmarks compare them;
-        # bench.fast_start runs in dilated time, where the wall-clock pace the holds read is not the model's).
+        # benchmarks.fast_start runs in dilated time, where the wall-clock pace the holds read is not the model's).
         if start not in START_POLICIES:
             raise ValueError(f"start must be one of {', '.join(START_POLICIES)}, not {start!r}")
         self.start = start
@@ -476,7 +476,7 @@ class StreamDecoder:
         started without lookahead and has less than a frame of audio ahead of its listener. Its first piece
         handed out its whole frame, so a piece with lookahead 1 would add only the crossfade until a second
         frame beyond it arrives: if the pace falls after a fast start (a burst joining), that stalls the
-        listener (bench.fast_start at 1.5x: 86 ms)."""
+        listener (gateway.benchmarks.fast_start at 1.5x: 86 ms)."""
         return 0 if stream.lookahead == 0 and stream.lead_s() < FRAME_S else 1
 
     def _bridge(self) -> None:

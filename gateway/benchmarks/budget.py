@@ -1,0 +1,73 @@
+"""Per-sentence token budgets and sampling seeds, applied under the gateway without changing it.
+
+A random-weight model with stop probability 0 never stops by itself: its audio length is whatever
+`max_tokens` allows, so a benchmark has to give each sentence a budget proportional to its length (see
+`gateway.benchmarks.timing.token_budget`). The WebRTC protocol has no `max_tokens` field, and the synthesizer passes one
+value for all sentences of an utterance, so the budget is applied where every request goes through: the
+engine's `generate`. `BudgetedEngine` wraps the shared `OrpheusEngine` and looks the prompt up in a table
+built from the corpus (`build_prompt` of every sentence the run will speak).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from gateway.benchmarks.timing import token_budget
+from gateway.orpheus import build_prompt, split_sentences
+from gateway.speech.synthesizer import Synthesizer
+
+
+class BudgetedEngine:
+    """Forwards everything to the wrapped engine; `generate` gets the sentence's budget and the next seed."""
+
+    def __init__(self, engine: Any, budgets: dict[tuple[int, ...], int], base_seed: int) -> None:
+        # object.__setattr__: our own fields; every other attribute write goes to the real engine.
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_budgets", budgets)
+        object.__setattr__(self, "_seeds", itertools.count(base_seed))
+        object.__setattr__(self, "unbudgeted", 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The gateway sets `engine.on_state`; it must reach the real engine, which calls it.
+        setattr(self._engine, name, value)
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None,
+                       seed: int | None = None, priority: int = 0) -> AsyncIterator[list[int]]:
+        budget = self._budgets.get(tuple(prompt_ids))
+        if budget is None and self._budgets:
+            object.__setattr__(self, "unbudgeted", self.unbudgeted + 1)
+        seed = seed if seed is not None else next(self._seeds)
+        async for ids in self._engine.generate(prompt_ids, max_tokens=budget or max_tokens, seed=seed,
+                                               priority=priority):
+            yield ids
+
+
+def budget_table(synth: Synthesizer, texts: Iterable[str], voice: str, tokens_per_char: float
+                 ) -> dict[tuple[int, ...], int]:
+    """Prompt ids -> token budget for every sentence of `texts`, split as the gateway splits them."""
+    cap = synth.config.max_tokens
+    table: dict[tuple[int, ...], int] = {}
+    for text in texts:
+        for sentence in split_sentences(text, synth.config.max_sentence_chars):
+            budget = token_budget(len(sentence), tokens_per_char, cap)
+            if budget is not None:
+                table[tuple(build_prompt(synth.tokenizer, voice, sentence))] = budget
+    return table
+
+
+def budgeted(synth: Synthesizer, texts: Iterable[str], tokens_per_char: float, base_seed: int) -> Synthesizer:
+    """A second `Synthesizer` over the same engine, tokenizer and SNAC decoder, with budgets and seeds."""
+    voice = synth.config.voice
+    engine = BudgetedEngine(synth.engine, budget_table(synth, texts, voice, tokens_per_char), base_seed)
+    return Synthesizer(synth.config, engine, synth.tokenizer, synth.decoder)  # type: ignore[arg-type]
+
+
+def sentence_budgets(synth: Synthesizer, text: str, tokens_per_char: float) -> list[int | None]:
+    """The budget of each sentence of `text` (recorded with each request)."""
+    cap = synth.config.max_tokens
+    return [token_budget(len(s), tokens_per_char, cap) for s in split_sentences(text, synth.config.max_sentence_chars)]

@@ -1,0 +1,122 @@
+"""Time to first audio byte of `POST /v1/audio/speech` by `response_format`, on the tiny random model (CPU).
+
+    .venv/bin/python -m gateway.benchmarks.http_ttfb                       # pcm, mp3, opus; 10 requests each
+    .venv/bin/python -m gateway.benchmarks.http_ttfb --formats pcm,flac --requests 20
+
+Builds the tiny test model and SNAC (as `orpheus-gateway bench --tiny` does), serves the gateway on loopback and sends
+one request at a time, the formats taken in turn (pcm, mp3, opus, pcm, ...) so that a change in the machine's load
+touches every format alike; the first round is a warm-up and is not counted. Measured per request: from sending it
+to the first body bytes, which carry audio in every format (wav's header and opus' Ogg headers come with the first
+audio; the response's headers go out with them, as the route starts its response once the first PCM exists). Prints
+p50, p90 and the fastest per format, and the load average, since a shared machine's load moves these figures.
+Then, for scale, what the encoder alone adds: opening a `StreamEncoder` and encoding the first 2048-sample chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from gateway.config import from_sources
+from gateway.edge.app import create_app
+from gateway.media.formats import FORMATS, StreamEncoder
+from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
+from gateway.speech.synthesizer import Synthesizer
+
+TEXT = "Good morning, class."
+MAX_TOKENS = 140  # 20 frames, 1.7 s of audio: every request makes the same amount (the model never stops itself)
+
+
+async def one_request(http: aiohttp.ClientSession, url: str, fmt: str) -> float:
+    """Seconds from sending the request to its first body bytes."""
+    started = time.perf_counter()
+    async with http.post(url, json={"model": "orpheus", "input": TEXT, "response_format": fmt}) as resp:
+        resp.raise_for_status()
+        while not await resp.content.readany():
+            pass
+        first_at = time.perf_counter()
+        await resp.read()
+    return first_at - started
+
+
+def encoder_first_chunk_ms(fmt: str, runs: int = 20) -> float:
+    """Median ms to open a `StreamEncoder` and encode one SNAC frame of sound (what the route does first)."""
+    chunk = (np.sin(np.arange(SAMPLES_PER_FRAME) * 2 * np.pi * 220 / SAMPLE_RATE) * 8000).astype(np.int16)
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        encoder = StreamEncoder(fmt)
+        encoder.encode(chunk)
+        times.append(time.perf_counter() - started)
+        encoder.close()
+    return statistics.median(times) * 1000
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1] if len(values) > 1 else values[0]
+
+
+async def measure(formats: list[str], requests: int, root: Path) -> None:
+    from gateway.devtools.devmodels import build_test_model, build_test_snac
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
+    snac = build_test_snac(root / "snac")
+    config = from_sources(env={}, model=str(model), snac_model=str(snac), snac_device="cpu", enforce_eager=True,
+                          max_model_len=1024, max_num_seqs=8, max_tokens=MAX_TOKENS, dtype="float32",
+                          warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0)
+    synthesizer = Synthesizer.load(config)
+    await synthesizer.start()
+    runner = web.AppRunner(create_app(config, synthesizer))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}/v1/audio/speech"
+    results: dict[str, list[float]] = {fmt: [] for fmt in formats}
+    loads = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            for round_ in range(requests + 1):
+                for fmt in formats:
+                    timing = await one_request(http, url, fmt)
+                    if round_:  # round 0 warms up each format's path (codec libraries, thread pool)
+                        results[fmt].append(timing)
+                loads.append(os.getloadavg()[0])
+    finally:
+        await runner.cleanup()
+        await synthesizer.close()
+    print(f"{requests} requests per format, one at a time; text {TEXT!r}; load average during the run "
+          f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
+    print(f"{'format':8} {'p50':>8} {'p90':>8} {'fastest':>8}   (ms to the first audio byte)")
+    for fmt, seconds in results.items():
+        ms = [s * 1000 for s in seconds]
+        print(f"{fmt:8} {statistics.median(ms):8.0f} {percentile(ms, 90):8.0f} {min(ms):8.0f}")
+    alone = ", ".join(f"{fmt} {encoder_first_chunk_ms(fmt):.2f} ms" for fmt in formats)
+    print(f"the encoder alone, opened and given the first chunk: {alone}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", default="pcm,mp3,opus", help="comma-separated response_format values")
+    parser.add_argument("--requests", type=int, default=10, help="counted requests per format")
+    args = parser.parse_args()
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or args.requests < 1:
+        parser.error(f"formats must be among {list(FORMATS)} and --requests >= 1")
+    with tempfile.TemporaryDirectory(prefix="orpheus-http-ttfb-") as tmp:
+        asyncio.run(measure(formats, args.requests, Path(tmp)))
+
+
+if __name__ == "__main__":
+    main()
