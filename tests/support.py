@@ -85,6 +85,15 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[
 
 
 
+def poll_until(predicate, message: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """`wait_until` for a test without an event loop: polls `predicate` from this thread, failing with `message`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {message}")
+        time.sleep(0.01)
+
+
 TOKEN = "static-token-for-tests-0123456789"
 
 
@@ -312,6 +321,13 @@ def tiny_config(model_dir: Path, snac_dir: Path, **overrides: object) -> Gateway
     values.update(overrides)
     return from_sources(env={}, **values)
 
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of an `orpheus-gateway` command run by a test: the tiny model's fast CPU settings."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ORPHEUS_GATEWAY_ENFORCE_EAGER": "true",
+            "ORPHEUS_GATEWAY_MAX_MODEL_LEN": "1024", "ORPHEUS_GATEWAY_MAX_NUM_SEQS": "8",
+            "ORPHEUS_GATEWAY_DTYPE": "float32", "ORPHEUS_GATEWAY_MAX_TOKENS": "140"}
 
 
 SERVER_START_TIMEOUT_S = 300.0  # ~40-60 s on an idle 2-core CPU; more while other engine tests share the cores
