@@ -95,27 +95,24 @@ class GatewayConfig:
     # --- codec ------------------------------------------------------------------------------------
     snac_device: str = _opt("auto", "Device for SNAC decoding: auto (cuda if present), cpu, cuda, cuda:N.")
     snac_dtype: str = _opt("auto", "SNAC decoder precision: auto (bfloat16 on a GPU, float32 on CPU), float32, "
-                           "bfloat16 (on an H200 the exact decoder kept 180 of 256 streams real time at 0 ms "
-                           "against float32's 74; 39 dB SNR against float32) or float16.")
+                           "bfloat16 (faster on a GPU; ~39 dB SNR against float32) or float16.")
     decode_fast_start_ms: float = _opt(45.0, "Play an utterance's first frame without waiting for its lookahead "
                                        "frame (7 tokens sooner) when the stream's first tokens came fast enough "
                                        "that the next two frames' tokens arrive within this many ms (the first "
                                        "frame plays 85 ms); 0 = off. The margin covers the rate slowing as a "
-                                       "burst of new streams joins the batch: with 65, 16 of 128 streams started "
-                                       "together stalled 26 ms after their first frame on an H200. A sentence "
-                                       "starting alone gets at least 70 ms (first_audio.LONE_FAST_START_S); "
+                                       "burst of new streams joins the batch. A sentence starting alone gets at least "
+                                       "70 ms (first_audio.LONE_FAST_START_S); "
                                        "none starts fast while another sentence waits for its first token.")
     decode_max_batch: int = _opt(256, "Most streams the SNAC decoder advances in one step (CUDA graphs are captured "
                                  "for batches up to this).")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
     snac_compile: bool | None = _opt(None, "Compile the exact decoder's step with torch.compile (Inductor fuses the "
                                      "Snakes, history copies, masks, noise and depthwise convolutions). Default: on "
-                                     "where SNAC runs on a GPU (an H200 ran a 256-stream bfloat16 step in 6.0 ms "
-                                     "against eager's 13.4, exact in float32; docs/benchmarks.md), off on a CPU "
-                                     "(no faster there). Adds its compile time to start-up.")
+                                     "where SNAC runs on a GPU (faster than eager, exact in float32), off on "
+                                     "a CPU (no faster there). Adds its compile time to start-up.")
     snac_placement: str = _opt("shared", "Where SNAC decodes. shared: with --workers, one SNAC process serves every "
                                "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
-                               "which the GPU would time-slice; fewer underruns on an H200, docs/benchmarks.md); in "
+                               "which the GPU would time-slice); in "
                                "one process, as process. process: in each gateway process.")
     snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.cluster.snac_process): decode "
                                    "there instead of loading SNAC in this process. With --workers and "

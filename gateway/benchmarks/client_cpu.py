@@ -4,8 +4,8 @@ aiortc's own audio receiver (a decoder thread per peer, frames through its track
     python -m gateway.benchmarks.client_cpu [--peers 32] [--seconds 8] [--out bench-results/client-cpu.json]
 
 The WebRTC level runs hundreds of headless peers in a few client processes on the gateway's host, and a client
-process that falls behind stamps frames late and takes cores from the server (H200, 2026-12-05: 12 processes took
-7.7 of 16 cores at 384 peers). Here one spawned process sends every peer paced speech through the gateway's own
+process that falls behind stamps frames late and takes cores from the server
+(docs/decisions/benchmark-clients.md). Here one spawned process sends every peer paced speech through the gateway's own
 media stage (`PlayoutTrack` + `OpusTrack`, mono Opus), another receives it; only the receiver's CPU is counted,
 over `--seconds` of steady streaming, in the same run for both receivers. No engine: the audio is a tone.
 """

@@ -6,8 +6,7 @@ What `StreamDecoder` does in Python per tick around the decode itself: take the 
 pick the ready streams in deadline order, pack their rows, hand out each stream's audio (`_emit`), deliver it
 to the event loop, and plan the next tick (`_next_tick_at`, after the pushes and after the tick). The decode
 launch is replaced by preallocated zero output of the right shape, so the figure is the host's share only: on a
-GPU the launch's own time comes on top (an H200 decodes a 256-stream step in 6 ms, compiled, in bfloat16;
-docs/benchmarks.md). Prints ms per tick and us per pushed frame.
+GPU the launch's own time comes on top (docs/benchmarks.md, "SNAC step"). Prints ms per tick and us per pushed frame.
 """
 
 from __future__ import annotations

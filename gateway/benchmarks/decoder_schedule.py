@@ -41,7 +41,7 @@ FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 DECODERS = ("in-process", "remote")  # the decoder in this process, or behind the SNAC stream protocol
 # The first frame is due this long after the sentences are set going, so that opening them all (256 tasks) is done
 # by then: a clock that ran while they opened made each sentence's first frames late, then pushed them back to back,
-# and the decoder read a pace of 1-17 ms a frame for a 43 ms clock (H100, 128 and 256 streams, 2026-12-06).
+# and the decoder read a pace far faster than the clock (docs/decisions/benchmark-clients.md).
 SENTENCES_OPEN_S = 0.1
 
 
@@ -201,7 +201,7 @@ async def main_async(args: argparse.Namespace, report: Callable[[str], None]) ->
     runs = []
     for streams in args.streams:
         # Warm-up, not counted: each batch size's graphs and compiled shapes (the bridge's too) are made on first
-        # use, and a 4-frame warm-up at the smallest size left the first counted run a 111 ms tick (H100, 128).
+        # use, and a warm-up at another size leaves the first counted run a long tick.
         await run_one(snac, streams, args.frames, args.pace, 0.0, MAX_HOLD_S)
         for listener_ms in args.listener_ms:
             for hold_s in args.holds:

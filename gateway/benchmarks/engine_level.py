@@ -64,7 +64,7 @@ async def _run_user(synth: Synthesizer, requests: Sequence[PlannedRequest], opti
 def _sent_at(index: int, origin: float) -> float:
     """When a user's `index`-th phrase was asked for: its first at the point's start, each later one when the one
     before it ended (now). Not when this process got round to it: at both levels, a burst's requests then wait
-    for those before them (the bare level builds and submits each prompt in turn, ~80 ms for 256 on an H200 host),
+    for those before them (the bare level builds and submits each prompt in turn, tens of ms for a burst of 256),
     and that wait is part of the time to first token a user sees."""
     return origin if index == 0 else time.monotonic()
 

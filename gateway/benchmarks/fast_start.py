@@ -1,13 +1,13 @@
 """The exact streaming decoder's fast start, in model time on the CPU: when a sentence's first audio comes out, and
 whether a listener who plays what arrives at once (0 ms buffer) runs dry when the exact stream takes over.
 
-    .venv/bin/python -m benchmarks.fast_start                      # paces 3, 1.5 and 1.1x real time; table + JSON
+    .venv/bin/python -m gateway.benchmarks.fast_start              # paces 3, 1.5 and 1.1x real time; table + JSON
     .venv/bin/python -m gateway.benchmarks.fast_start --paces 1.2 --frames 40 --dilation 8 --out fast_start.json
 
 The gateway's own `StreamDecoder` (its thread, the real `StreamingSnac`, a random-weight 24 kHz SNAC) decodes one
-sentence whose frames arrive at a steady generation pace: 3x real time is one stream on an H200 (~28 ms a frame),
-1.1x a loaded engine. Wall time runs `--dilation` times slower than model time, so this CPU's decode time counts
-1/dilation of itself: the figures are those of a decoder that many times faster than this CPU (an H200 is faster
+sentence whose frames arrive at a steady generation pace: 3x real time is one stream on a fast GPU (~28 ms a
+frame), 1.1x a loaded engine. Wall time runs `--dilation` times slower than model time, so this CPU's decode time counts
+1/dilation of itself: the figures are those of a decoder that many times faster than this CPU (a GPU is faster
 still), i.e. they show what the policy costs in frames and lead, not what a GPU's decode adds. Policies:
 
     bridge-la0     the gateway's when tokens come fast (`--decode-fast-start-ms`: the 2nd frame's window within

@@ -107,8 +107,7 @@ def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
             "client_processes": round(clients, 3),
         },
         # Cores busy on the whole machine: a WebRTC run with its clients and `serve --workers` on one host shares
-        # them, and a host near its core count slows every process (the 2026-12-03 H200 runs: the 8 client
-        # processes alone took 6.5-7.1 of 16 cores at 256-320 peers).
+        # them, and a host near its core count slows every process (docs/decisions/benchmark-clients.md).
         "host": {
             "cores": psutil.cpu_count(),
             "busy_cores": round((after.host_busy_s - before.host_busy_s) / wall, 2) if wall > 0 else None,

@@ -15,8 +15,8 @@ from gateway.benchmarks.timing import describe, gaps, simulate_playback
 
 MS = 1000.0
 # Stalls whose first late chunk arrived in the same window of the point's clock fall at one "moment": many streams
-# stalling at a few moments, in every client process, is the host (a burst's CPU), not the streams (2026-12-06, H100:
-# 92 stalled streams at 256 peers fell at 4 moments).
+# stalling at a few moments, in every client process, is the host (a burst's CPU), not the streams
+# (docs/decisions/benchmark-clients.md).
 STALL_MOMENT_S = 0.1
 
 
@@ -102,8 +102,8 @@ def count_server_underruns(record: RequestRecord, listener_buffer_ms: int = 0) -
     """WebRTC: in the view of the server's own buffer (`listener_buffer_ms`, what the peers asked for; the client
     adds nothing) a server underrun is a stall, whether or not the client's frame times show it: the server's view
     is the listener's, and the silence it sent is in the stream; but Opus' spill makes a one-frame underrun read as
-    audio at the client (the benchmarks' README, WebRTC frame accounting), which hid most of them (2026-12-03 H200 run:
-    83 requests with server underruns at 128 peers, 25 client stalls). Larger views keep the client's figures:
+    audio at the client (the benchmarks' README, WebRTC frame accounting), which hid most of them
+    (docs/decisions/benchmark-clients.md). Larger views keep the client's figures:
     their client-side buffer absorbs the lateness."""
     played = record.playback.get(str(listener_buffer_ms))
     server = record.server or {}

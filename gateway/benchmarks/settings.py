@@ -27,7 +27,7 @@ MAX_USERS = "max-users"
 STREAMING = "streaming"
 SCENARIOS = (STRESS, TTFA, MAX_USERS, STREAMING)
 
-# The seed's sweeps (RTX 4090, canopylabs/orpheus-3b-0.1-ft).
+# The seed's sweeps (its table in docs/benchmarks.md), to compare with it.
 GPU_SWEEPS: dict[str, list[int]] = {
     STRESS: [4, 8, 12, 16],
     TTFA: [1, 4, 8, 12, 16],

@@ -1,11 +1,10 @@
 """Kernels and bytes of one exact-stream SNAC step per stream, counted on the CPU, for each way of running it:
 
-    .venv/bin/python -m benchmarks.snac_work --out snac_work.json            # eager and compiled (~2 min on 2 cores)
+    .venv/bin/python -m gateway.benchmarks.snac_work --out snac_work.json    # eager and compiled (~2 min on 2 cores)
     .venv/bin/python -m gateway.benchmarks.snac_work --out snac_work.json --no-compiled
 
-Why bytes: on an H200 a 256-stream bfloat16 step took 14.6 ms for 256 x 0.85 GFLOP (15 TFLOP/s, ~1.5% of the
-card's bf16 peak), and bfloat16 was only 1.2x faster than float32 (docs/benchmarks.md, 2026-12-04): the decoder
-is bound by its passes over activations and its kernels, not by arithmetic. So this counts, per step, the
+Why bytes: the decoder is bound by its passes over activations and its kernels, not by arithmetic (a GPU step
+runs at ~1.5% of the card's bf16 peak; docs/decisions/exact-streaming-snac-decoder.md). So this counts, per step, the
 kernels launched and, per stream, the bytes they read and write. Per-stream bytes are the difference of two batch
 sizes (`--batches`), so the weights, read once per kernel whatever the batch, drop out.
 
@@ -22,7 +21,7 @@ The predicted GPU gain of a variant, if the step stays bound by memory traffic, 
 
 Bytes miss what a fused kernel computes: a GPU kernel evaluates both branches of every select for every value
 (Triton masks loads, it does not skip them), and a value inlined into several users is recomputed in each (the
-compiled step's old state write: 2.85 of 9.1 ms on an H200). For the compiled step this also counts, per stream
+compiled step's old state write was a third of its GPU time). For the compiled step this also counts, per stream
 and new frame, what Inductor's fused kernels evaluate when the step is compiled with its cats lowered as for a
 GPU (`cuda_cat_lowering`; on the CPU every cat is a copy, on a GPU a small one is a select inlined into its
 users): each scheduler node's values times the distinct operations of its loop body and masked sub-blocks, the

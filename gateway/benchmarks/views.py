@@ -10,7 +10,7 @@ own view of the gateway's buffer (`records.count_server_underruns`). The stall c
 
 Over WebRTC it also splits the streams the server ran dry by how they started (`start_underruns`): a first audio
 within `FAST_START_MS` of the first frame came from that frame alone (a fast start: no second frame could be in
-so soon), the others waited for more. On an H100 every such stream at 256 peers was a fast start (2026-12-06).
+so soon), the others waited for more (docs/decisions/first-audio-start.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def point_views(requests: Sequence[dict[str, Any]], users: int, client_buffers_m
 
 
 # A first audio this soon after the first frame came from that frame alone: a second frame takes at least ~35 ms
-# (7 tokens at the fastest pace measured, ~5 ms a token at one stream on an H100).
+# (7 tokens at the fastest pace measured, ~5 ms a token at one stream).
 FAST_START_MS = 20.0
 
 

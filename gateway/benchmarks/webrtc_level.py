@@ -197,7 +197,7 @@ def delivery_jitter_ms(frames: Sequence[ReceivedFrame]) -> float | None:
     RTP time) over every frame, silent ones included (the playout sends a frame every 20 ms either way). It is the
     delay a client's jitter buffer must absorb, from the server's sending, the network and the client's own
     event loop together; a stall no larger than it, with no server underrun, was delivery, not synthesis
-    (H100, 2026-12-06: 0 ms peers stalled 11-35 ms with no underrun). None with fewer than two stamped frames."""
+    (docs/decisions/benchmark-clients.md). None with fewer than two stamped frames."""
     stamped = [(f.at, f.rtp_timestamp) for f in frames if f.rtp_timestamp is not None]
     if len(stamped) < 2:
         return None

@@ -122,7 +122,7 @@ class HeadlessPeer:
     async def connect(self, timeout: float = 30.0) -> dict[str, Any]:
         """Negotiate and wait for the server's `ready` event, all of it within `timeout` (TimeoutError): an
         overloaded server's offer endpoint must not hold a client for aiohttp's 5-minute default (a benchmark's
-        384 peers waited out a 600 s device call on 2026-12-05 without a request reaching the engine)."""
+        hundreds of peers would wait out their run without a request reaching the engine)."""
         try:
             async with asyncio.timeout(timeout):
                 return await self._negotiate(timeout)

@@ -3,10 +3,10 @@
 Why: FFmpeg gives each codec context and libavfilter graph a pool of one thread per CPU core when it opens
 (thread count 0 = auto), and PyAV adds graphs of its own: every `AudioResampler`, and one inside each audio
 encoder whose codec has a fixed frame size (libopus: 960 samples). With an Opus encoder per session and a
-resampler per utterance that measured 29 threads per session in the workers of an H200 host (16 cores): 7,529
-threads at 256 peers, thousands still alive after the sessions closed until the garbage collector freed them
-(gateway.benchmarks.faults, docs/operations.md). Each call carries 20-200 ms of mono speech, which those threads cannot
-speed up (Opus and our audio filters do not thread), and PyAV's internal graphs cannot be given a thread count;
+resampler per utterance that is dozens of threads per session on a many-core host, most still alive after the
+sessions close until the garbage collector frees them (docs/decisions/media-threads.md). Each call carries
+20-200 ms of mono speech, which those threads cannot speed up (Opus and our audio filters do not thread), and
+PyAV's internal graphs cannot be given a thread count;
 FFmpeg's own switch for this, `av_cpu_force_count`, can.
 """
 

@@ -1,11 +1,10 @@
 """Opus encoding of a session's paced PCM, in the event loop, mono and tuned for speech.
 
 aiortc would encode each 20 ms frame itself: resample to stereo, encode stereo Opus at complexity 10, in the
-default thread pool (one executor round trip per frame and peer). Measured on the 2-core dev CPU: 0.22 ms per
-frame for the encode alone; on an H200 host with 32 peers the thread pool burned 0.67 ms of CPU per frame
-(GIL hand-offs), more than the event loop itself. A track that returns `av.Packet`s makes aiortc skip its
-encoder (it only packetises), so this stage encodes mono speech at a chosen complexity (0.08 ms per frame at
-5 on the same CPU) and sends a cached packet for silence, which is what a mostly idle lesson page hears.
+default thread pool (one executor round trip per frame and peer), which costs more CPU in GIL hand-offs than the
+event loop itself (docs/decisions/media-threads.md). A track that returns `av.Packet`s makes aiortc skip its
+encoder (it only packetises), so this stage encodes mono speech at a chosen complexity and sends a cached packet
+for silence, which is what a mostly idle lesson page hears.
 """
 
 from __future__ import annotations

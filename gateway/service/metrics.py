@@ -25,8 +25,8 @@ PLAYED_BUCKETS_S = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0, 30.0, 60.0)
 # without a buffer hears 20 ms and more.
 LOOP_LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 LOOP_LAG_METRIC = "orpheus_event_loop_lag_seconds"
-# Generation pace a first audio was planned at, seconds per 7-token frame: real time is 0.085; an H100 at 128
-# streams makes one every ~0.04, at 384 ~0.08.
+# Generation pace a first audio was planned at, seconds per 7-token frame: real time is 0.085; a loaded GPU makes
+# one every 0.04-0.08 (docs/decisions/first-audio-start.md).
 PACE_BUCKETS_S = (0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.085, 0.1, 0.15, 0.2, 0.3)
 FIRST_AUDIO_HOLD_METRIC = "orpheus_snac_first_audio_hold_seconds"
 START_LABEL = "start"  # where a first audio came from: "exact" (the exact stream) or "bridge"

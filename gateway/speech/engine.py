@@ -28,8 +28,8 @@ from gateway.orpheus import BOS_ID, END_OF_SPEECH_ID, PROMPT_PREFIX, PROMPT_SUFF
 log = logging.getLogger(__name__)
 
 
-# What a client is told to wait before asking again while the engine (re)starts: a restart takes tens of seconds
-# (96 s for `vllm serve` on an H200, gateway.benchmarks.faults), and clients that ask every second only add load.
+# What a client is told to wait before asking again while the engine (re)starts: a restart takes tens of seconds,
+# and clients that ask every second only add load (docs/decisions/remote-engine.md).
 ENGINE_RETRY_AFTER_S = 5
 
 
@@ -311,8 +311,8 @@ class OrpheusEngine(EngineBase):
     async def _warm_up(self, llm: Any) -> None:
         """Short bursts at each batch size of `warmup_batch_sizes` before the engine counts as ready.
 
-        On an H200 the first burst of 8 and of 16 requests after start-up waited ~3 s for their first token
-        while vLLM compiled for the new batch shape; the same sizes later took 44-104 ms. Users must not pay it.
+        vLLM compiles for each new batch shape on first use, seconds that users must not wait
+        (docs/decisions/engine-warmup-and-gc.md).
         """
         params = sampling_params(self.config, WARMUP_TOKENS)
 

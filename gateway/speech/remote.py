@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0  # a server that cannot answer /health this fast is no use for real-time speech
 CONNECT_TIMEOUT_S = 5.0
 # An idle pooled connection is dropped before `vllm serve` drops it (uvicorn's keep-alive, vLLM's
-# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): with aiohttp's 15 s, requests met connections the server was closing, and
-# "Server disconnected" took the only server out (H100, serve --workers 4, 448 peers: 3 times in 20 s).
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), or requests meet connections the server is closing and "Server
+# disconnected" takes a healthy server out (docs/decisions/remote-engine.md).
 KEEPALIVE_S = 4.0
 # Finish reasons of a request that ran to its end; "abort" means the server dropped it (e.g. shutting down).
 NORMAL_FINISH = frozenset({"stop", "length"})
@@ -150,8 +150,8 @@ class RemoteEngine(EngineBase):
 
     async def _warm_up(self, session: aiohttp.ClientSession, server: RemoteServer) -> None:
         """The in-process engine's start-up bursts (`warmup_batch_sizes`), before the server takes users: a
-        fresh `vllm serve` JIT-compiles its sampling kernels on first use (measured on an H200 behind `serve
-        --workers`: first request 1.2 s, first burst of 64 5.3 s). Runs again after the server comes back."""
+        fresh `vllm serve` JIT-compiles its sampling kernels on first use, seconds per new batch size
+        (docs/decisions/remote-engine.md). Runs again after the server comes back."""
         async def one(size: int, i: int) -> None:
             body = self._request_body(WARMUP_PROMPT, f"{self._id_prefix}-warmup-{size}-{i}", WARMUP_TOKENS, None, 0)
             response = await self._post(session, server, body)

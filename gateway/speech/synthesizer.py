@@ -102,9 +102,8 @@ class UtteranceStats:
     listener_buffer_s: float = 0.0
     # The listener's own playout, when it is in this process (a WebRTC session's track): how long it can play on
     # from the audio it holds of this utterance (`PlayoutTrack.lead_s`); None once the utterance left it (then
-    # nobody hears the rest). Called from the SNAC decoder's thread. It is the lead itself (H200 2026-12-05: 500 ms
-    # lesson peers ran dry 0.9-1.6 s into their audio when the lead was modelled from the first audio, because a
-    # buffer filled fast starts playback sooner).
+    # nobody hears the rest). Called from the SNAC decoder's thread. It is the lead itself, not a model of it: a
+    # buffer that fills fast starts playing sooner than a model says (docs/decisions/snac-step-timing.md).
     playout_lead_s: Callable[[], float | None] | None = None
     # Whether that lead is running down now (`PlayoutTrack.lead_runs`): not while the listener waits for this
     # utterance's first audio or its buffer to fill. The shared SNAC process models the lead between the reports
