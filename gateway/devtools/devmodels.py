@@ -464,7 +464,8 @@ def build_test_snac(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`make-test-model`'s arguments (also what the docs' command lines are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m gateway.devtools.devmodels",
                                      description="Write a small Orpheus-compatible test model (and SNAC).")
     parser.add_argument("out_dir", type=Path)
@@ -476,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the shape's")
     parser.add_argument("--snac", action="store_true", help="also write a random SNAC under OUT_DIR/snac")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     started = time.monotonic()
     path = build_test_model(args.out_dir, args.shape, seed=args.seed, stop_probability=args.stop_probability,
                             dtype=args.dtype)
