@@ -2,52 +2,10 @@
 
 Owns turning a stream of 24 kHz mono int16 PCM chunks into the bytes of one of those formats, chunk by chunk, so an
 HTTP response can send audio while the utterance is still being generated: the content types (`FORMATS`), the
-streamed WAV header (`wav_header`), and `StreamEncoder`. Imports only av and numpy (nothing from other gateway
-packages), so the HTTP edge, benchmarks and tests can all use it.
-
-How: PyAV's encoder and muxer write into `_ByteSink`, an in-memory file-like object that only appends; each
-`encode()` call returns what the muxer has written since the last call. No temporary file. What makes it stream:
-- The sink has no `seek`/`tell`, so FFmpeg treats the output as non-seekable and never goes back to patch a header
-  it has already written (bytes already sent cannot change). The price: the FLAC STREAMINFO carries no total length
-  or MD5, and MP3 has no Xing/LAME frame, so a decoder cannot trim MP3's encoder delay (see below).
-- `flush_packets=1` flushes FFmpeg's 32 KiB I/O buffer after every packet, so each packet reaches the sink at once
-  and every `encode()` result ends on a packet boundary (whole MP3 frames, ADTS frames, Ogg pages, FLAC frames).
-- MP3: no ID3v2 tag and no Xing frame (`id3v2_version=0`, `write_xing=0`): plain MPEG frames from the first byte.
-- Opus: the Ogg muxer closes a page only after `page_duration` of audio (1 s by default: the first audio would wait
-  a second); `OGG_PAGE_US` = 40 ms puts a page out on every 85 ms chunk for ~6 kbit/s of page headers (20 ms pages
-  double that and gain nothing with 85 ms chunks).
-- Opus is CELT only (libopus `application=lowdelay`), 48 kbit/s constrained VBR. With SILK or hybrid frames (what
-  libopus picks below ~64 kbit/s in `audio`/`voip` mode) FFmpeg's native Opus decoder, the default of ffmpeg,
-  ffplay, pydub and PyAV, does not follow libopus: measured here (FFmpeg 8), a 100-4000 Hz sweep at 32 kbit/s came
-  out with bursts 15 dB too loud for a quarter second, and espeak-ng speech differed from libopus' decode at 12 dB SNR.
-  CELT frames decode the same in both (72 dB); browsers use libopus either way.
-- FLAC: no 8 KiB padding block after the header (`metadata_header_padding=0`), and 2048-sample blocks (one SNAC
-  frame) instead of FFmpeg's 2304 at 24 kHz, so each 2048-sample chunk comes out as one FLAC frame at once.
-- WAV and PCM need no codec: the WAV header (unknown length, 0xFFFFFFFF; byte for byte what the gateway streams
-  today) comes with the first `encode()`, then the samples as they are.
-- Sample rates: encoders run at the input rate where the codec takes it. libopus takes 8/12/16/24/48 kHz input
-  natively and Ogg Opus always decodes at 48 kHz, so 24 kHz needs no resampler of ours (no CPU, no filter delay,
-  same band: a 24 kHz source has nothing above 12 kHz). A rate a codec cannot take (44.1 kHz into Opus, say) goes
-  through av.AudioResampler to `FALLBACK_RATE`.
-
-Time to first byte, measured with PyAV 18.1 (FFmpeg 8) by feeding a 24 kHz sine one sample at a time: the samples
-fed before `encode()` first returns audio. A header, where there is one, comes with the first call, even an empty one.
-    format  header  first audio after          with 2048-sample (85 ms) chunks
-    pcm       -        1 sample                first chunk
-    wav      44 B      1 sample                first chunk
-    mp3       -     1728 samples (72 ms)       first chunk (576-sample MPEG-2 frames, LAME's look-ahead)
-    opus    129 B   1920 samples (80 ms)       first chunk (20 ms frames, 40 ms pages)
-    aac       -     2048 samples (85 ms)       first chunk (1024-sample frames, one frame of MDCT delay)
-    flac     92 B   2048 samples (85 ms)       first chunk (2048-sample blocks)
-So every format streams: all six put audio out before `finish()`, from the first 85 ms chunk on, and hold back at
-most about a frame (plus an Ogg page for opus) until the next chunk or `finish()`.
-
-Decoded length: wav, pcm, flac and opus decode to exactly the input (Ogg Opus carries its pre-skip and end trim;
-48 kHz out). ADTS AAC decodes 1888 samples (79 ms) longer: 1024 of encoder priming in front, the last frame padded;
-MP3 1440 samples (60 ms) longer: LAME's delay in front (no Xing/LAME frame to say how much), the last frame padded.
-CPU on the 2-core dev machine, 1.5 s of audio in 85 ms chunks: mp3 11 ms, aac 11 ms, opus 6 ms, flac 5 ms, wav and
-pcm nothing to speak of. It runs in the calling thread: a caller on an event loop with many streams should use an
-executor.
+streamed WAV header (`wav_header`), and `StreamEncoder`. Every format puts audio out from the first 85 ms chunk on:
+the output is non-seekable (no header patched later), each packet is flushed at once, Opus is CELT-only in 40 ms Ogg
+pages, FLAC uses one SNAC frame per block (docs/decisions/streaming-audio-formats.md). Runs in the calling thread;
+imports only av and numpy (nothing from other gateway packages), so the HTTP edge, benchmarks and tests can use it.
 """
 
 from __future__ import annotations

@@ -1,42 +1,11 @@
 """CTC forced alignment of a sentence's PCM against its text with a wav2vec2-style `...ForCTC` checkpoint.
 
 The text is known (we made the audio from it), so nothing is recognised: the model's per-frame token
-log-probabilities (20 ms frames for wav2vec2) are aligned to the text's token sequence by the standard CTC
-Viterbi (a trellis over the tokens interleaved with blanks; each frame stays on a state, moves to the next, or
-skips a blank between two different tokens). The best path gives each token its frames; a word spans its
-tokens' frames (plus up to 60 ms of the blank tail after its last token, where the next token leaves room).
-torchaudio's `forced_align` does the same, but torchaudio is not installed here (it breaks the CPU torch), so
-the trellis is `ctc_forced_align` below, in numpy.
-
-Text -> tokens. Character vocabularies: each word (the same words as `words.split_words`) is NFC-normalised,
-lower- or upper-cased to the vocabulary's case, characters missing from the vocabulary are tried without their
-accent (`ã` -> `a`) and typographic apostrophes as `'`, anything else is skipped; words are separated by the
-vocabulary's word delimiter (`|`) when it has one. A word with no known character aligns to `<unk>` when the
-vocabulary has it, otherwise it gets the time between its aligned neighbours. Phoneme vocabularies
-(`Wav2Vec2PhonemeCTCTokenizer`, e.g. facebook/wav2vec2-xlsr-53-espeak-cv-ft): each word's phonemes come from
-`visemes.phonemize_word` (espeak-ng IPA, the same notation that checkpoint was trained on).
-
-Audio: the sentence's 24 kHz int16 PCM is resampled to the model's rate (16 kHz) with `av.AudioResampler`
-(libswresample; measured 0.6 ms of CPU per second of audio, no delay), then normalised by the checkpoint's
-own feature extractor.
-
-Checkpoints (all on the Hugging Face hub; licences as shown on their model pages in the stored snapshots
-available to us, not re-checked against the hub itself):
-- `facebook/wav2vec2-base-960h`: English letters (upper case), 95 M parameters, Apache-2.0.
-- `jonatasgrosman/wav2vec2-large-xlsr-53-portuguese`: Portuguese letters with accents (lower case), 315 M
-  parameters, Apache-2.0.
-- `facebook/wav2vec2-xlsr-53-espeak-cv-ft`: multilingual espeak phonemes (covers both), 315 M parameters,
-  Apache-2.0; needs `phonemizer` + espeak-ng for its tokenizer (see `visemes`).
-Cost (this machine, 2 cores, CPU time per second of audio; the machine was shared while measuring, so read
-these as upper bounds): the model forward dominates. Random weights in the shapes of the checkpoints above
-(the weights themselves cannot be fetched here, the compute is the same): base 145 ms (72 ms wall on 2
-threads), large-xlsr 400 ms (200 ms wall): fine on a GPU or as a background refinement, too heavy to run
-inline for every stream on a small CPU box. Around the model: resampling 0.15-0.4 ms, the Viterbi trellis
-0.6 ms (13 words, 58 tokens), the word mapping negligible; the whole `align` on `devmodel`'s tiny model
-costs about 3 ms (1 torch thread).
-
-If the audio has fewer frames than the text needs tokens (text far longer than its audio), `align` falls
-back to `words.estimate_word_timings` and those words say `source="estimated"`.
+log-probabilities are aligned to the text's tokens by the standard CTC Viterbi (`ctc_forced_align`, in numpy:
+torchaudio's `forced_align` does the same, but torchaudio breaks the CPU torch), and a word spans its tokens'
+frames. Character and phoneme (espeak IPA) vocabularies are both handled; the audio is resampled to the model's
+rate with `av.AudioResampler`. Where the audio has fewer frames than the text needs tokens, `align` falls back to
+`words.estimate_word_timings`. Checkpoints, licences and cost: docs/decisions/word-timings.md.
 """
 
 from __future__ import annotations

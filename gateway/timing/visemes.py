@@ -1,32 +1,12 @@
 """Visemes (Oculus-15 set) for timed words: phonemes per word from a G2P, one IPA -> viseme table, visemes
 timed inside each word's span.
 
-G2P choice: `phonemizer` (3.4, GPL-3.0) driving the espeak-ng library, with the library and its data taken
-from the PyPI wheel `espeakng-loader` (0.2.4: libespeak-ng 1.52 + espeak-ng-data, ~21 MB) so no Debian
-package is needed; a system espeak-ng (found by phonemizer itself, or `PHONEMIZER_ESPEAK_LIBRARY`) is the
-fallback. Why espeak-ng: one engine covers English (en-us, en-gb) and Portuguese (pt-br, pt = European) and
-~100 more languages, rule-based (no model weights), 0.1-0.5 ms per word, IPA out; and
-facebook/wav2vec2-xlsr-53-espeak-cv-ft was trained on the same notation. Alternatives considered: gruut
-(MIT; en + pt via gruut-lang-*, lexicon + rules, heavier), g2p-en (Apache-2.0, English only, needs an NLTK
-tagger download), epitran (MIT; pt only by rules, English needs the `flite` binary), misaki (Apache-2.0,
-English lexicon but falls back to espeak for the rest).
-
-Licences, honestly: espeak-ng is GPL-3.0-or-later; phonemizer is GPL-3.0. We load libespeak-ng as a separate
-shared library through ctypes and call phonemizer's Python API unmodified; whether that keeps the gateway
-free of the GPL when it is distributed is a legal question we do not settle here (an in-process Python import
-of a GPL package is commonly considered linking). A deployment that cannot accept that can set
-`GATEWAY_G2P=letters` (the built-in rules below) or swap in gruut. `espeakng-loader` 0.2.4 carries no licence
-metadata in its wheel; its repository (thewh1teagle/espeakng-loader) says MIT since 2025-11 (issue #7); the
-library it ships is espeak-ng's, GPL-3.0-or-later.
-
-Fallback: when no espeak-ng can be loaded (or `GATEWAY_G2P=letters`), a small letter-to-sound rule set for
-English and Portuguese produces rough IPA (`LetterG2P`); `g2p_name()` says which one is in use.
-
-Timing: inside a word's span, each viseme gets a share of the span proportional to its weight: vowels 2,
-long vowels 2.5, consonants 1 (a diphthong's weight x1.5 is shared by its two visemes; glides count as
-consonants). Consecutive equal visemes merge. Cost (this machine): 0.15-0.3 ms of CPU per word not yet in the
-cache with espeak-ng (0.1-1 ms per second of audio), 0.01 ms per second of audio once cached; the first call
-per language costs ~15 ms (loading a voice). `tests/test_timing.py` prints the per-second figure.
+The G2P is espeak-ng through `phonemizer` (the library from the `espeakng-loader` wheel, else a system
+espeak-ng): one rule-based engine for English, Portuguese and ~100 more languages, IPA out, the notation of the
+phoneme CTC checkpoint. Without it (or with `GATEWAY_G2P=letters`) a small letter-to-sound rule set
+(`LetterG2P`) gives rough IPA; `g2p_name()` says which is in use. Inside a word's span each viseme gets a share by
+weight (vowels 2, long vowels 2.5, consonants 1); equal neighbours merge. Why espeak-ng, the alternatives, the
+GPL question and the cost: docs/decisions/word-timings.md.
 """
 
 from __future__ import annotations

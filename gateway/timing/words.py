@@ -1,37 +1,12 @@
 """Words of a sentence with their character offsets, and word timings estimated from the sentence's PCM.
 
-`split_words(text)` finds the words of a sentence as the text was given (no normalisation, so offsets index
-the caller's string): runs of Unicode letters, digits and combining marks, joined by inner apostrophes
-(`it's`, `d'água`) and hyphens (`well-known`, `guarda-chuva`). Punctuation is never part of a word, and
-emotive tags such as `<laugh>` are not words.
-
-`estimate_word_timings(text, pcm)` spreads the words over the sentence's real audio without any model:
-
-1. Voice activity from 10 ms frames: frame RMS in dB against a threshold relative to the loud part of the
-   sentence (30 dB under its 95th percentile, and at least 10 dB over its quietest frames). Gaps shorter
-   than 40 ms are closed, voiced blips shorter than 30 ms dropped. Leading and trailing silence lie outside
-   every word.
-2. Each word weighs its phoneme count (letters, digraphs once) plus half its syllable count (vowel groups
-   after stripping accents); an emotive tag takes the time of a 6-phoneme word but yields no word.
-3. Word boundaries are laid on the voiced time proportionally to the weights, then a monotone matching
-   (a small dynamic programme over pauses x boundaries) decides which pauses are word boundaries: a pause
-   is drawn to a boundary that falls near it, the longer the pause (beyond 80 ms, which stop closures
-   reach) the stronger, and more so when a comma (or a period, question mark...) follows the word. A pause
-   left unmatched lies inside a word. Between matched pauses, words share the voiced time by weight again.
-
-Every word gets a span; spans are ordered, do not overlap and lie inside the audio. Only when the audio
-holds fewer milliseconds than there are words can a span be empty.
-
-Accuracy, checked against espeak-ng's own word events (libespeak-ng synthesising 9 English and Portuguese
-sentences at 3 speaking rates; starts taken at the first voiced frame after each event): mean word-start
-error 56 ms (median 42, 90th percentile 140, 57 % within 50 ms), against 118 ms for spreading the words by
-weight over the whole audio. The constants below were chosen on that set; natural TTS speech has fewer hard
-silences than espeak-ng, so expect somewhat coarser results there. For lip-sync-grade timing use `aligner`.
-`tests/test_timing_espeak.py` re-runs that check (mean under 85 ms, median under 60 ms).
-
-Cost, measured on this machine (2 cores, numpy only): 0.12-0.15 ms of CPU per second of audio for a 13-word,
-4-5 s sentence (frame energies plus a few hundred Python steps of matching). `tests/test_timing.py` prints
-the figure again on each run.
+`split_words(text)` finds the words as the text was given (offsets index the caller's string): runs of letters,
+digits and combining marks joined by inner apostrophes and hyphens; punctuation and emotive tags are not words.
+`estimate_word_timings(text, pcm)` spreads the words over the sentence's real audio without a model: voice
+activity from 10 ms frames, words weighed by phonemes and syllables, pauses matched to word boundaries by a small
+dynamic programme. Every word gets a span; spans are ordered, do not overlap and lie inside the audio. The method,
+its accuracy against espeak-ng's word events and its cost: docs/decisions/word-timings.md; for lip-sync-grade
+timing use `aligner`.
 """
 
 from __future__ import annotations
