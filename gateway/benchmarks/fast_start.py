@@ -8,14 +8,8 @@ The gateway's own `StreamDecoder` (its thread, the real `StreamingSnac`, a rando
 sentence whose frames arrive at a steady generation pace: 3x real time is one stream on a fast GPU (~28 ms a
 frame), 1.1x a loaded engine. Wall time runs `--dilation` times slower than model time, so this CPU's decode time counts
 1/dilation of itself: the figures are those of a decoder that many times faster than this CPU (a GPU is faster
-still), i.e. they show what the policy costs in frames and lead, not what a GPU's decode adds. Policies:
-
-    bridge-la0     the gateway's when tokens come fast (`--decode-fast-start-ms`: the 2nd frame's window within
-                   45 ms, i.e. about 4x real time): first audio from one frame (lookahead 0); the bridge goes on
-                   with each frame until the lead covers the hand-over (`StreamDecoder.handover_lead_s`)
-    bridge-la1     the gateway's otherwise: the same with lookahead 1 (first audio once two frames are in)
-    first-only     what the decoder did before the bridge went on: first audio once two frames are in, the exact
-                   stream takes over right after it
+still), i.e. they show what each start policy (`POLICIES`) costs in frames and lead, not what a GPU's decode
+adds.
 
 Reported per policy and pace: first audio (model ms after the first frame arrived, and frames in by then), stalls
 and stalled ms of a 0 ms-buffer listener (`benchmarks.timing.simulate_playback`), and the decoder's work: bridge frames
@@ -40,6 +34,11 @@ from gateway.speech.snac_stream import StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE  # 85.3 ms of audio per frame
+# The start policies compared. bridge-la0: the gateway's when tokens come fast (`--decode-fast-start-ms`): first
+# audio from one frame (lookahead 0), the bridge going on with each frame until the lead covers the hand-over
+# (`StreamDecoder.handover_lead_s`); bridge-la1: the gateway's otherwise, lookahead 1 (first audio once two frames
+# are in); first-only: the decoder before the bridge went on (first audio once two frames are in, then the exact
+# stream at once).
 POLICIES: dict[str, tuple[int, bool]] = {  # name: (lookahead, the bridge goes on after the first audio)
     "bridge-la0": (0, True),
     "bridge-la1": (1, True),

@@ -2,16 +2,10 @@
 hundreds of WebRTC peers speaking continuously with the lessons' 500 ms jitter buffer, and one process killed
 with SIGKILL mid-load: a worker, the SNAC process, or `vllm serve`'s engine core.
 
-Per fault (one phase each, fresh peers, the same gateway), from the clients' side:
-- sessions that survived (connection held, last utterance `done`) and kept real time (no underrun in any of
-  their utterances), sessions that got an `error` event, sessions lost (their connection failed: a killed
-  worker cannot say goodbye; ICE consent checks notice it) and how long the client took to notice;
-- utterances: `done`, `error` (by code), `cancelled`, ended by the lost connection, and **silent** ones (no
-  terminal event on a live connection) and doubled ones (more than one terminal event): both must be 0;
-- new sessions: a probe peer connects and speaks every second from the kill on; the time until a new session is
-  accepted and the time until it hears a `done`;
-- the gateway's process tree (RSS, open fds, processes; GPU memory where nvidia-smi exists) idle before the
-  phase and idle after it, once every worker answers /readyz again.
+Per fault (one phase each, fresh peers, the same gateway), from the clients' side: sessions kept, errored and
+lost (and when the client noticed), utterances by how they ended, with **silent** and doubled ones (both must be
+0), how soon a new session is accepted and heard, and the process tree's resources before and after
+(`summarise`).
 
     python -m gateway.benchmarks.faults --gateway-url http://127.0.0.1:8800 --supervisor-pid PID --sockets DIR \\
         --peers 256 --client-processes 8 --faults worker,snac,engine --out DIR
@@ -403,6 +397,13 @@ async def run_phase(fault: str, settings: FaultSettings, clients: FaultClients) 
 
 def summarise(fault: str, sessions: Sequence[SessionRecord], killed_at: float, target: TreeProcess,
               probe: ProbeResult, connected: int, asked: int) -> dict[str, Any]:
+    """One fault's phase from the clients' side:
+    - sessions that survived (connection held, last utterance `done`) and kept real time (no underrun in any of
+      their utterances), sessions that got an `error` event, sessions lost (their connection failed: a killed
+      worker cannot say goodbye; ICE consent checks notice it) and how long the client took to notice;
+    - utterances: `done`, `error` (by code), `cancelled`, ended by the lost connection, and silent ones (no
+      terminal event on a live connection) and doubled ones (more than one terminal event);
+    - new sessions: the probe's time until a new session is accepted and until it hears a `done`."""
     utterances = [u for s in sessions for u in s.utterances]
     silent = [u.uid for u in utterances if not u.terminal and not u.lost]
     doubled = [u.uid for u in utterances if len(u.terminal) > 1]

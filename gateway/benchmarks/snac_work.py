@@ -19,14 +19,8 @@ sizes (`--batches`), so the weights, read once per kernel whatever the batch, dr
 
 The predicted GPU gain of a variant, if the step stays bound by memory traffic, is the ratio of bytes per stream.
 
-Bytes miss what a fused kernel computes: a GPU kernel evaluates both branches of every select for every value
-(Triton masks loads, it does not skip them), and a value inlined into several users is recomputed in each (the
-compiled step's old state write was a third of its GPU time). For the compiled step this also counts, per stream
-and new frame, what Inductor's fused kernels evaluate when the step is compiled with its cats lowered as for a
-GPU (`cuda_cat_lowering`; on the CPU every cat is a copy, on a GPU a small one is a select inlined into its
-users): each scheduler node's values times the distinct operations of its loop body and masked sub-blocks, the
-sines among them (a Snake's, once per activation value unless recomputed), the values written, and the
-largest kernels.
+Bytes miss what a fused kernel computes, so for the compiled step this also counts what Inductor's fused kernels
+evaluate (`evaluated_ops`).
 """
 
 from __future__ import annotations
@@ -191,7 +185,13 @@ class NodeWork:
 
 def evaluated_ops(nodes: list[Any]) -> list[NodeWork]:
     """Each Inductor scheduler node's work: its loop body and masked sub-blocks (a select's branches) all
-    counted, as a GPU kernel evaluates every branch for every value (Triton masks loads, it does not skip them)."""
+    counted, as a GPU kernel evaluates every branch for every value (Triton masks loads, it does not skip them).
+
+    Bytes miss this, and a value inlined into several users is recomputed in each (the compiled step's old state
+    write was a third of its GPU time). Counted per stream and new frame with the step's cats lowered as for a GPU
+    (`cuda_cat_lowering`; on the CPU every cat is a copy, on a GPU a small one is a select inlined into its users):
+    each node's values times the distinct operations of its loop body and masked sub-blocks, the sines among them
+    (a Snake's, once per activation value unless recomputed), the values written, and the largest kernels."""
     rows = []
     for group in nodes:
         for node in group.get_nodes():

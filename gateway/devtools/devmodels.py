@@ -7,14 +7,6 @@ grammar: audio ids in slot order (slot k mod 7), near-uniform codes, and the sto
 boundaries with a chosen probability per frame. Random weights would emit random ids and the audio
 pipeline would get nothing to decode.
 
-How: every layer's output projections (o_proj, down_proj) are zero, so the residual stream that reaches
-the final norm is the input embedding of the current token, whatever the (random, really computed)
-attention and MLP weights do. Each audio id's embedding is a one-hot "context marker" for its slot
-(start of speech gets a marker of its own), and lm_head turns marker j into a large logit for the ids of
-the next slot, a very negative one for every other id, and for marker 6 a stop logit tuned so that top-p
-sampling keeps it and it wins with the requested probability. Only the last token matters, so prompts
-are free-form.
-
 `build_test_snac` writes a random-weight SNAC 24 kHz codec that `snac.SNAC.from_pretrained` loads.
 
 CLI: `python -m gateway.devtools.devmodels OUT_DIR [--shape tiny|orpheus-3b] [--stop-probability P] [--snac]`.
@@ -392,7 +384,15 @@ def write_tokenizer(out_dir: str | Path) -> Path:
 
 def build_test_model(out_dir: str | Path, shape: str = "tiny", *, seed: int = 0, stop_probability: float = 0.02,
                      dtype: str | None = None) -> Path:
-    """Write an Orpheus-compatible Llama checkpoint with structured weights (see the module docstring).
+    """Write an Orpheus-compatible Llama checkpoint with structured weights that speak Orpheus's grammar.
+
+    How: every layer's output projections (o_proj, down_proj) are zero, so the residual stream that reaches
+    the final norm is the input embedding of the current token, whatever the (random, really computed)
+    attention and MLP weights do. Each audio id's embedding is a one-hot "context marker" for its slot
+    (start of speech gets a marker of its own), and lm_head turns marker j into a large logit for the ids of
+    the next slot, a very negative one for every other id, and for marker 6 a stop logit tuned so that top-p
+    sampling keeps it and it wins with the requested probability. Only the last token matters, so prompts
+    are free-form.
 
     shape: "tiny" (CPU tests) or "orpheus-3b" (the real 3B shape); both bfloat16 by default (vLLM on CPU
     downcasts float32 checkpoints to bfloat16 anyway).

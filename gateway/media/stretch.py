@@ -5,19 +5,6 @@ two ranges its callers accept (`LESSON_RATE_RANGE` for a lesson's `rate`, `SPEEC
 speech API's `speed`) and `check_rate`, which both callers use to refuse a value with a clear message. Imports av,
 numpy and its sibling `formats` (the one PCM input check); nothing from other gateway packages.
 
-How:
-- abuffer -> atempo [-> atempo ...] -> aformat -> abuffersink. One atempo stays within 0.5..2.0: atempo takes up to
-  100, but above 2.0 it skips input instead of overlapping it (FFmpeg's documentation advises chaining), and below
-  0.5 it refuses. So 0.25 is atempo=0.5,atempo=0.5 and 4.0 is atempo=2,atempo=2 (`atempo_chain`).
-- rate 1.0 builds no filter at all: `process()` returns the very samples it was given.
-- atempo holds back part of a window: with 2048-sample chunks, ~50 ms of input at 0.5, ~135 ms at 0.25 (two
-  filters); the rest comes out on the next chunk or at `flush()`. At end of stream atempo alone drops its last
-  partial window (up to ~1 % short, measured), so `flush()` pushes silence until the tail is out, then trims: the
-  total output is exactly round(input / rate) samples, whatever the chunking. The content too is the same, sample
-  for sample, except in the first ~21 ms (~50 ms at 0.25) of output when the first chunk is shorter than a window:
-  atempo starts its first window on what it has (measured: 1-sample and 333-sample chunks against one shot, up to 7 %
-  of the level there, nothing after; 2048-sample chunks are identical to one shot for all the rates tested).
-- Rate r means r times as fast: 0.5 plays twice as long, pitch unchanged (atempo's WSOLA-style overlap-add).
 """
 
 from __future__ import annotations
@@ -80,6 +67,20 @@ class TimeStretcher:
     """One stream's time-stretch: `process()` each chunk, then `flush()` once at the end of the utterance.
 
     After `flush()` the stretcher starts afresh, ready for the next utterance at the same rate.
+
+    How:
+    - abuffer -> atempo [-> atempo ...] -> aformat -> abuffersink. One atempo stays within 0.5..2.0: atempo takes up
+      to 100, but above 2.0 it skips input instead of overlapping it (FFmpeg's documentation advises chaining), and
+      below 0.5 it refuses. So 0.25 is atempo=0.5,atempo=0.5 and 4.0 is atempo=2,atempo=2 (`atempo_chain`).
+    - rate 1.0 builds no filter at all: `process()` returns the very samples it was given.
+    - atempo holds back part of a window: with 2048-sample chunks, ~50 ms of input at 0.5, ~135 ms at 0.25 (two
+      filters); the rest comes out on the next chunk or at `flush()`. At end of stream atempo alone drops its last
+      partial window (up to ~1 % short, measured), so `flush()` pushes silence until the tail is out, then trims: the
+      total output is exactly round(input / rate) samples, whatever the chunking. The content too is the same, sample
+      for sample, except in the first ~21 ms (~50 ms at 0.25) of output when the first chunk is shorter than a window:
+      atempo starts its first window on what it has (measured: 1-sample and 333-sample chunks against one shot, up to
+      7 % of the level there, nothing after; 2048-sample chunks are identical to one shot for all the rates tested).
+    - Rate r means r times as fast: 0.5 plays twice as long, pitch unchanged (atempo's WSOLA-style overlap-add).
     """
 
     def __init__(self, rate: float, sample_rate: int = SAMPLE_RATE) -> None:
