@@ -22,6 +22,13 @@ ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SNAC_PLACEMENTS = ("process", "shared")
+# OpenAI's speech voices, which OpenAI clients (pipecat's OpenAITTSService) accept and send; each is an alias of a
+# served voice by default (`GatewayConfig.voice_aliases`). English checkpoints get voices of a like register.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+_OPENAI_ENGLISH = {"alloy": "tara", "ash": "dan", "ballad": "leo", "cedar": "zac", "coral": "jess", "echo": "leo",
+                   "fable": "dan", "marin": "mia", "nova": "leah", "onyx": "zac", "sage": "zoe", "shimmer": "mia",
+                   "verse": "leo"}
 JITTER_BUFFER_MAX_MS = 5000  # the one bound of a session's jitter buffer (flag, offer, WHEP query, page)
 MIN_SECRET_CHARS = 16  # shorter static tokens or HMAC secrets are guessable; refused at start-up
 ANY_ORIGIN = "*"
@@ -51,6 +58,9 @@ class GatewayConfig:
     snac_model: str = _opt("hubertsiuzdak/snac_24khz", "SNAC 24 kHz codec: HF id or local path.")
     voices: list[str] = _opt([], "Voices offered (repeatable); default: the checkpoint's known voices.")  # noqa: RUF009
     default_voice: str | None = _opt(None, "Voice used when a request names none; default: the first voice.")
+    voice_alias: list[str] = _opt([], "NAME=VOICE: another name for a voice on the speech route and the streaming "  # noqa: RUF009
+                                  "door (repeatable; env: comma-separated). Defaults map OpenAI's 13 voice names "
+                                  "to the checkpoint's voices (OPENAI_VOICES); a flag replaces that name's default.")
     max_tokens: int = _opt(2400, "Most audio tokens per sentence (82 tokens = 1 s of audio).")
     max_tokens_per_char: float = _opt(0.0, "Also cap a sentence at this many audio tokens per character, in whole "
                                       "frames (0 = off). Speech runs ~5-6 tokens per character: ~20 stops a "
@@ -195,6 +205,18 @@ class GatewayConfig:
     def voice(self) -> str:
         return self.default_voice or self.voice_list[0]
 
+    @property
+    def voice_aliases(self) -> dict[str, str]:
+        """Alias -> served voice: OpenAI's names by default (the English table where its voice is served, else
+        the served voices in turn), then each `voice_alias` flag (the last one of a name wins)."""
+        voices = self.voice_list
+        aliases = {name: _OPENAI_ENGLISH[name] if _OPENAI_ENGLISH[name] in voices else voices[i % len(voices)]
+                   for i, name in enumerate(OPENAI_VOICES)}
+        for item in self.voice_alias:
+            name, voice = parse_voice_alias(item)
+            aliases[name] = voice
+        return {name: voice for name, voice in aliases.items() if name not in voices}
+
 
 def _base_type(tp: Any) -> tuple[type, bool]:
     """(scalar type, is_list) of a field annotation such as `int | None`, `list[str]` or `tuple[str, ...]`."""
@@ -331,6 +353,15 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"allowed_origin: {exc}") from None
     if config.default_voice is not None and config.default_voice not in config.voice_list:
         raise ConfigError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")
+    for item in config.voice_alias:
+        try:
+            name, voice = parse_voice_alias(item)
+        except ValueError as exc:
+            raise ConfigError(f"voice_alias: {exc}") from None
+        if voice not in config.voice_list:
+            raise ConfigError(f"voice_alias {item!r}: {voice!r} is not among the voices {config.voice_list}")
+        if name in config.voice_list:
+            raise ConfigError(f"voice_alias {item!r}: {name!r} is a voice itself")
 
 
 def _validate_ice(config: GatewayConfig) -> None:
@@ -378,6 +409,15 @@ def normalize_origin(origin: str) -> str:
     if parts.scheme not in ORIGIN_SCHEMES or not parts.netloc or parts.path or parts.query or parts.fragment:
         raise ValueError(f"{origin!r} is not an origin like https://school.example or http://localhost:8000")
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def parse_voice_alias(item: str) -> tuple[str, str]:
+    """`NAME=VOICE` -> (name, voice); ValueError for any other form."""
+    name, sep, voice = item.partition("=")
+    name, voice = name.strip(), voice.strip()
+    if not sep or not name or not voice:
+        raise ValueError(f"{item!r} is not NAME=VOICE, e.g. alloy=tara")
+    return name, voice
 
 
 def check_ice_url(url: str) -> None:

@@ -1,6 +1,6 @@
 """The gateway's aiohttp application: middleware (JSON errors, origin and token checks, CORS), health, readiness,
-voices, metrics and the avatar page; the speech route (`speech_api`), WebRTC signalling (`signalling`) and WHEP
-(`whep`) are mounted here.
+voices, metrics and the avatar page; the speech route (`speech_api`), the streaming text-in WebSocket
+(`cartesia_ws`), WebRTC signalling (`signalling`) and WHEP (`whep`) are mounted here.
 
 Errors are JSON everywhere: `{"error": {"code": ..., "message": ...}}` with a 4xx/5xx status.
 """
@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.config import GatewayConfig
 from gateway.edge.auth import AuthError
+from gateway.edge.cartesia_ws import CARTESIA_PATH, cartesia_websocket, request_api_key
 from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH, SUBJECT_KEY, json_error
 from gateway.edge.signalling import add_signalling_routes
 from gateway.edge.speech_api import SPEECH_PATH, speech
@@ -66,6 +67,8 @@ def _request_token(request: web.Request) -> str | None:
         return header[len(BEARER_PREFIX):].strip()
     if request.path in QUERY_TOKEN_PATHS:
         return request.query.get("token")
+    if request.path == CARTESIA_PATH:  # Cartesia's clients send their key their way
+        return request_api_key(request)
     return None
 
 
@@ -128,7 +131,8 @@ async def readyz(request: web.Request) -> web.Response:
 @routes.get("/v1/voices")
 async def voices(request: web.Request) -> web.Response:
     config = request.app[GATEWAY_KEY].config
-    return web.json_response({"voices": config.voice_list, "default": config.voice})
+    return web.json_response({"voices": config.voice_list, "default": config.voice,
+                              "aliases": config.voice_aliases})
 
 
 @routes.get("/metrics")
@@ -167,6 +171,7 @@ def create_app(config: GatewayConfig, synthesizer: Synthesizer | None = None, *,
     app[GATEWAY_KEY] = gateway
     app.add_routes(routes)
     app.router.add_post(SPEECH_PATH, speech)
+    app.router.add_get(CARTESIA_PATH, cartesia_websocket)
     app.router.add_get("/", web_file)
     app.router.add_get(r"/static/{name:[A-Za-z0-9_.-]+\.[a-z]+}", web_file)
     if webrtc:

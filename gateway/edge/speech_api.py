@@ -9,7 +9,9 @@ response's audio chain (`AudioOutput`: pitch-preserving `speed` by `gateway.medi
 
 Not OpenAI's: `response_format` defaults to `wav` (OpenAI's default is mp3; the gateway's clients relied on wav
 before the other formats existed), `instructions` is accepted and ignored (Orpheus takes none), `seed` (an integer)
-makes the tokens reproducible, a test and debugging aid.
+makes the tokens reproducible, a test and debugging aid, and `word_timestamps: true` (with `stream_format: "sse"`)
+adds a `speech.audio.words` event after each sentence's audio: `{"type": "speech.audio.words", "words": [{"word",
+"start", "end"}]}`, seconds from the response's first sample (at its `speed`), for clients that drive an avatar.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy.typing as npt
 from aiohttp import web
 
 from gateway.edge.http import GATEWAY_KEY, read_json_object
+from gateway.edge.word_times import TimedWord, WordClock
 from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.media.stretch import SPEECH_SPEED_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, build_prompt, split_sentences
@@ -88,6 +91,7 @@ class SpeechRequest:
     sse: bool
     speed: float
     seed: int | None
+    word_timestamps: bool = False
 
 
 def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> SpeechRequest:
@@ -115,6 +119,10 @@ def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> Spee
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise SpeechRequestError("invalid_seed", f"seed must be an integer in 0..{MAX_SEED}", "seed")
+    word_timestamps = body.get("word_timestamps", False)
+    if not isinstance(word_timestamps, bool) or (word_timestamps and stream_format != "sse"):
+        raise SpeechRequestError("invalid_word_timestamps", 'word_timestamps must be true or false; true needs '
+                                 'stream_format "sse"', "word_timestamps")
     voice = body.get("voice")
     if isinstance(voice, dict) and set(voice) == {"id"}:  # OpenAI's custom-voice form: {"id": "leo"}
         voice = voice["id"]
@@ -128,7 +136,7 @@ def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> Spee
         voice = synthesizer.resolve_voice(voice)
     except InvalidRequestError as exc:
         raise SpeechRequestError(exc.code, str(exc), "voice") from None
-    return SpeechRequest(text, voice, fmt, stream_format == "sse", speed, seed)
+    return SpeechRequest(text, voice, fmt, stream_format == "sse", speed, seed, word_timestamps)
 
 
 # --- audio out -----------------------------------------------------------------------------------------
@@ -174,6 +182,12 @@ def audio_delta(audio: bytes) -> bytes:
     return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode("ascii")})
 
 
+def audio_words(words: list[TimedWord]) -> bytes:
+    return sse_event({"type": "speech.audio.words",
+                      "words": [{"word": w.text, "start": round(w.start_s, 3), "end": round(w.end_s, 3)}
+                                for w in words]})
+
+
 def audio_done(usage: dict[str, int]) -> bytes:
     return sse_event({"type": "speech.audio.done", "usage": usage})
 
@@ -188,16 +202,22 @@ def usage(synthesizer: Synthesizer, request: SpeechRequest, stats: UtteranceStat
 
 
 async def stream_audio(response: web.StreamResponse, output: AudioOutput, first: AudioChunk | None,
-                       chunks: AsyncIterator[AudioChunk], sse: bool) -> None:
-    """Every chunk through the audio chain to the client, raw or as `speech.audio.delta` events."""
+                       chunks: AsyncIterator[AudioChunk], sse: bool, clock: WordClock | None = None) -> None:
+    """Every chunk through the audio chain to the client, raw or as `speech.audio.delta` events (and, with a
+    `clock`, each sentence's `speech.audio.words` once its audio is complete)."""
     async def send(audio: bytes) -> None:
         if audio:  # an encoder may hold a chunk back (its frame is not full yet): nothing to send
             await response.write(audio_delta(audio) if sse else audio)
 
+    async def send_chunk(chunk: AudioChunk) -> None:
+        await send(await output.feed(chunk.pcm))
+        if clock is not None and (words := await clock.add(chunk)):
+            await response.write(audio_words(words))
+
     if first is not None:
-        await send(await output.feed(first.pcm))
+        await send_chunk(first)
         async for chunk in chunks:
-            await send(await output.feed(chunk.pcm))
+            await send_chunk(chunk)
     await send(await output.finish())
 
 
@@ -256,7 +276,9 @@ async def speech(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         if first is not None:
             metrics.ttfa_seconds.labels("http").observe(time.monotonic() - stats.started)
-        await stream_audio(response, output, first, chunks, speech_request.sse)
+        clock = WordClock(synthesizer.config, speech_request.voice, speech_request.speed) \
+            if speech_request.word_timestamps else None
+        await stream_audio(response, output, first, chunks, speech_request.sse, clock)
         if speech_request.sse:
             await response.write(audio_done(usage(synthesizer, speech_request, stats)))
         await response.write_eof()

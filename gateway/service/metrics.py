@@ -105,6 +105,9 @@ class Metrics:
                                         registry=r)
         self.speech_requests_total = Counter("orpheus_speech_requests_total",
                                              "HTTP /v1/audio/speech requests by status.", ["status"], registry=r)
+        self.stream_contexts_total = Counter("orpheus_stream_contexts_total", "Contexts of the streaming "
+                                             "WebSocket door ended, by outcome (done, cancelled, failed).",
+                                             ["outcome"], registry=r)
         self.ttfa_seconds = Histogram("orpheus_time_to_first_audio_seconds",
                                       "Request (speak message or HTTP request) to first audio out.",
                                       ["path"], buckets=LATENCY_BUCKETS_S, registry=r)

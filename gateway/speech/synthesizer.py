@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,12 +52,17 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
-def resolve_voice(voices: list[str], default: str, voice: str | None) -> str:
-    """The voice to speak with: `voice` when it is one of `voices`, `default` when none is named."""
+def resolve_voice(voices: list[str], default: str, voice: str | None,
+                  aliases: Mapping[str, str] | None = None) -> str:
+    """The voice to speak with: `voice` when it is one of `voices` (or an alias of one), `default` when none is
+    named."""
     if voice is None or voice == "":
         return default
+    if aliases and voice in aliases:
+        return aliases[voice]
     if voice not in voices:
-        raise InvalidRequestError("unknown_voice", f"unknown voice {voice!r}; known voices: {voices}")
+        raise InvalidRequestError("unknown_voice", f"unknown voice {voice!r}; known voices: {voices}"
+                                  + (f" and their aliases {sorted(aliases)}" if aliases else ""))
     return voice
 
 
@@ -155,6 +160,7 @@ class Synthesizer:
         self.tokenizer = tokenizer
         self.decoder = decoder
         self.voices = list(config.voice_list)
+        self.voice_aliases = config.voice_aliases  # OpenAI's names and --voice-alias (HTTP and streaming doors)
         self._fade_samples = int(SAMPLE_RATE * config.seam_fade_ms / 1000)
         self._fast_start_s = config.decode_fast_start_ms / 1000
         # When recent sentences got their first tokens (monotonic, oldest first): whether a burst starts beside one
@@ -205,7 +211,7 @@ class Synthesizer:
 
     # --- validation -------------------------------------------------------------------------------
     def resolve_voice(self, voice: str | None) -> str:
-        return resolve_voice(self.voices, self.config.voice, voice)
+        return resolve_voice(self.voices, self.config.voice, voice, self.voice_aliases)
 
     def check_text(self, text: Any) -> str:
         return check_text(text, self.config.max_text_chars)
