@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import dataclass
 from fractions import Fraction
 
 import av
@@ -21,9 +22,12 @@ from gateway.media.playout import (
     FRAME_SECONDS,
     SAMPLE_RATE_IN,
     SAMPLE_RATE_OUT,
+    Marker,
+    MarkerReached,
     PlayoutEvent,
-    PlayoutEventKind,
     PlayoutTrack,
+    UtteranceFinished,
+    UtteranceStarted,
 )
 
 RATIO = SAMPLE_RATE_OUT // SAMPLE_RATE_IN
@@ -48,8 +52,25 @@ def is_silent(frame: av.AudioFrame) -> bool:
     return not samples_of(frame).any()
 
 
+@dataclass(frozen=True)
+class Label(Marker):
+    """A marker of these tests: a name, and what the caller wants back with it."""
+
+    name: str
+    sentence: int | None = None
+
+
 def kinds(events: list[PlayoutEvent]) -> list[str]:
-    return [e.kind.value if e.label is None else f"{e.kind.value}:{e.label}" for e in events]
+    names = []
+    for event in events:
+        match event:
+            case UtteranceStarted():
+                names.append("started")
+            case MarkerReached(marker=Label(name=name)):
+                names.append(f"marker:{name}")
+            case UtteranceFinished():
+                names.append("finished")
+    return names
 
 
 def _stall_event_loop(seconds: float) -> None:
@@ -63,7 +84,7 @@ async def drain(track: PlayoutTrack, events: list[PlayoutEvent], utterance_id: s
     for _ in range(limit):
         frame = await track.recv()
         out.append(samples_of(frame))
-        if any(e.kind is PlayoutEventKind.FINISHED and e.utterance_id == utterance_id for e in events):
+        if any(isinstance(e, UtteranceFinished) and e.utterance_id == utterance_id for e in events):
             return out
     raise AssertionError(f"{utterance_id} never finished")
 
@@ -163,12 +184,12 @@ async def test_audio_frames_handed_over_after_their_slot_are_counted_per_utteran
     track.end_utterance("u")
     lateness = {2: 0.03, 3: 0.005}  # by the frame's index in the track
     frame = 2
-    while not any(e.kind is PlayoutEventKind.FINISHED for e in events):
+    while not any(isinstance(e, UtteranceFinished) for e in events):
         now[0] = 100.0 + frame * FRAME_SECONDS + lateness.get(frame, 0.0)
         await track.recv()
         frame += 1
     finished = events[-1]
-    assert finished.kind is PlayoutEventKind.FINISHED and finished.audio_ms == 100
+    assert isinstance(finished, UtteranceFinished) and finished.audio_ms == 100
     assert finished.late_frames == 1 and finished.max_late_ms == pytest.approx(30.0)
 
 
@@ -401,7 +422,7 @@ async def test_underrun_counted_only_mid_utterance() -> None:
     track.end_utterance("u")
     await drain(track, events, "u")
     finished = events[-1]
-    assert finished.kind is PlayoutEventKind.FINISHED
+    assert isinstance(finished, UtteranceFinished)
     assert (finished.underruns, finished.underrun_ms) == (1, 3 * FRAME_MS)
     assert finished.audio_ms == 200
     assert finished.underrun_at_ms == (4 * FRAME_MS,)  # it ran dry after its first 4 frames
@@ -426,7 +447,7 @@ async def test_waiting_for_the_end_after_the_last_audio_is_not_an_underrun() -> 
     track.end_utterance("tail")
     samples = await drain(track, events, "tail")
     finished = events[-1]
-    assert finished.kind is PlayoutEventKind.FINISHED and finished.audio_ms == 80 and np.any(samples[0])
+    assert isinstance(finished, UtteranceFinished) and finished.audio_ms == 80 and np.any(samples[0])
     assert (finished.underruns, finished.underrun_ms, finished.underrun_at_ms) == (0, 0, ())
     assert track.stats().underruns == 0 and track.stats().underrun_ms == 0
 
@@ -451,11 +472,11 @@ async def test_markers_fire_with_the_frame_after_them() -> None:
     events: list[PlayoutEvent] = []
     track = PlayoutTrack(events.append, pace=False, clock=lambda: 42.0)
     track.begin_utterance("u", 0)
-    track.mark("u", "s0", {"sentence": 0})
+    track.mark("u", Label("s0", 0))
     track.push_pcm("u", ms_of_pcm(100))  # frames 0-4
-    track.mark("u", "s1", {"sentence": 1})  # -> frame 5
+    track.mark("u", Label("s1", 1))  # -> frame 5
     track.push_pcm("u", ms_of_pcm(90))  # frames 5-9 (last one padded)
-    track.mark("u", "end")  # after all audio: with the last frame
+    track.mark("u", Label("end"))  # after all audio: with the last frame
     track.end_utterance("u")
     per_frame = []
     for _ in range(11):
@@ -473,14 +494,15 @@ async def test_event_fields() -> None:
     events: list[PlayoutEvent] = []
     track = PlayoutTrack(events.append, pace=False, clock=lambda: 42.0)
     track.begin_utterance("u", 0)
-    track.mark("u", "s0", {"sentence": 0})
+    track.mark("u", Label("s0", 0))
     track.push_pcm("u", ms_of_pcm(20))
     track.end_utterance("u")
     await drain(track, events, "u")
     started, marker, finished = events
-    assert started == PlayoutEvent(PlayoutEventKind.STARTED, "u", 42.0)
-    assert marker.kind == "marker" and marker.label == "s0" and marker.data == {"sentence": 0}
-    assert finished.kind == "finished" and finished.audio_ms == FRAME_MS  # 480 in -> exactly 960 out after the flush
+    assert started == UtteranceStarted("u", 42.0, 0)
+    assert marker == MarkerReached("u", 42.0, 0, Label("s0", 0))
+    assert isinstance(finished, UtteranceFinished)
+    assert finished.audio_ms == FRAME_MS  # 480 in -> exactly 960 out after the flush
 
 
 @pytest.mark.asyncio
@@ -531,13 +553,13 @@ async def test_callback_may_reenter_the_track() -> None:
     track: PlayoutTrack
 
     def on_event(event: PlayoutEvent) -> None:
-        if event.label == "stop-here":
+        if isinstance(event, MarkerReached) and event.marker == Label("stop-here"):
             track.clear()
 
     track = PlayoutTrack(on_event, pace=False)
     track.begin_utterance("u", 0)
     track.push_pcm("u", ms_of_pcm(40))
-    track.mark("u", "stop-here")
+    track.mark("u", Label("stop-here"))
     track.push_pcm("u", ms_of_pcm(200))
     audible = [not is_silent(await track.recv()) for _ in range(4)]
     assert audible == [True, True, True, False]  # the frame after the marker still plays

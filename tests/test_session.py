@@ -18,7 +18,7 @@ from gateway.devtools.client import RECEIVE_PREFETCH_PACKETS, HeadlessPeer
 from gateway.edge.app import create_app
 from gateway.edge.http import GATEWAY_KEY
 from gateway.edge.state import GatewayState
-from gateway.media.playout import PlayoutEventKind
+from gateway.media.playout import UtteranceStarted
 from gateway.rtc.protocol import MAX_MESSAGE_BYTES
 from gateway.rtc.session import Session
 from gateway.speech.synthesizer import Synthesizer
@@ -107,7 +107,7 @@ async def test_frames_are_stamped_one_packet_after_they_leave(peer: HeadlessPeer
 
     async def recording_recv() -> av.Packet:
         packet = await encode()
-        rtp = session.lesson.rtp.timestamp(packet.pts)
+        rtp = session.timelines.rtp.timestamp(packet.pts)
         if rtp is not None:
             sent[rtp] = time.monotonic()
         return packet
@@ -205,7 +205,7 @@ async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gatew
     original = session.reporter.on_playout_event
 
     def spy(event):  # type: ignore[no-untyped-def]
-        if event.kind is PlayoutEventKind.STARTED:
+        if isinstance(event, UtteranceStarted):
             utterance = session.utterances[event.utterance_id]
             seen[event.utterance_id] = (utterance.stats.samples, utterance.stats.finished_at is not None)
         original(event)

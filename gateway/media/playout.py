@@ -37,9 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from fractions import Fraction
-from typing import Any
 
 import av
 import numpy as np
@@ -54,10 +52,13 @@ __all__ = [
     "SAMPLE_FORMAT",
     "SAMPLE_RATE_IN",
     "SAMPLE_RATE_OUT",
+    "Marker",
+    "MarkerReached",
     "PlayoutEvent",
-    "PlayoutEventKind",
     "PlayoutStats",
     "PlayoutTrack",
+    "UtteranceFinished",
+    "UtteranceStarted",
 ]
 
 logger = logging.getLogger(__name__)
@@ -105,38 +106,52 @@ _SILENCE = bytes(FRAME_BYTES)
 _FramePayload = bytes | np.ndarray
 
 
-class PlayoutEventKind(StrEnum):
-    """A str subclass so ``event.kind == "started"`` works (StrEnum is 3.11+)."""
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """Base of what a caller places in an utterance's audio with `PlayoutTrack.mark`: subclass it with the fields
+    it wants back in the `MarkerReached` event when that point plays."""
 
-    STARTED = "started"
-    MARKER = "marker"
-    FINISHED = "finished"
+
+# The events, each reported at the moment a frame is handed to the sender. `timestamp` is the track clock
+# (`time.monotonic` unless injected) at the recv that returned the frame; `pts` is that frame's pts (48 kHz
+# samples since the track's first frame: where the event sits in the RTP stream).
 
 
 @dataclass(frozen=True, slots=True)
-class PlayoutEvent:
-    """Something that happened at the moment a frame was handed to the sender.
+class UtteranceStarted:
+    """The utterance's first frame left."""
 
-    ``timestamp`` is the track clock (``time.monotonic`` unless injected) at the
-    recv that returned the frame; ``pts`` is that frame's pts (48 kHz samples
-    since the track's first frame: where the event sits in the RTP stream).
-    ``label``/``data`` are set for markers; ``audio_ms``/``underruns``/
-    ``underrun_ms``/``underrun_at_ms``/``late_frames``/``max_late_ms`` for
-    ``finished``.
-    """
-
-    kind: PlayoutEventKind
     utterance_id: str
     timestamp: float
-    label: str | None = None
-    data: Any = None
-    audio_ms: int = 0
-    underruns: int = 0
-    underrun_ms: int = 0
-    underrun_at_ms: tuple[int, ...] = ()
-    late_frames: int = 0  # audio frames handed to the sender more than LATE_FRAME_S after their slot
-    max_late_ms: float = 0.0  # the latest of its audio frames, after its slot
-    pts: int = 0
+    pts: int
+
+
+@dataclass(frozen=True, slots=True)
+class MarkerReached:
+    """The frame holding the sample after `marker` left (with the last frame if no audio followed it)."""
+
+    utterance_id: str
+    timestamp: float
+    pts: int
+    marker: Marker
+
+
+@dataclass(frozen=True, slots=True)
+class UtteranceFinished:
+    """The utterance's last frame left: how it played."""
+
+    utterance_id: str
+    timestamp: float
+    pts: int
+    audio_ms: int
+    underruns: int
+    underrun_ms: int
+    underrun_at_ms: tuple[int, ...]  # audio played when each underrun began, the first MAX_UNDERRUNS_LISTED
+    late_frames: int  # audio frames handed to the sender more than LATE_FRAME_S after their slot
+    max_late_ms: float  # the latest of its audio frames, after its slot
+
+
+PlayoutEvent = UtteranceStarted | MarkerReached | UtteranceFinished
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +177,8 @@ class _Utterance:
     # Resampled samples not yet making a whole frame (reused buffer).
     partial: np.ndarray = field(default_factory=lambda: np.zeros(FRAME_SAMPLES, dtype=PCM_DTYPE))
     partial_len: int = 0
-    # (frame index within the utterance, label, data); indices are monotonic.
-    markers: deque[tuple[int, str, Any]] = field(default_factory=deque)
+    # (frame index within the utterance, marker); indices are monotonic.
+    markers: deque[tuple[int, Marker]] = field(default_factory=deque)
     in_samples: int = 0
     frames_played: int = 0
     ended: bool = False
@@ -195,9 +210,8 @@ def _resolve(waiter: asyncio.Future[bool], value: bool) -> None:
 class PlayoutTrack(MediaStreamTrack):
     """A live audio track that paces itself and plays queued utterances.
 
-    :param on_event: called synchronously from ``recv`` for ``started``,
-        ``marker`` and ``finished``; exceptions are logged and counted, never
-        propagated into aiortc.
+    :param on_event: called synchronously from ``recv`` with each `PlayoutEvent`;
+        exceptions are logged and counted, never propagated into aiortc.
     :param pace: sleep until each frame's slot (the normal case). Tests may
         pass ``False`` to get frames as fast as they ask.
     :param clock: monotonic clock in seconds used for pacing and event
@@ -309,7 +323,7 @@ class PlayoutTrack(MediaStreamTrack):
         self._start_early(utt)
         return True
 
-    def mark(self, utterance_id: str, label: str, data: Any = None) -> bool:
+    def mark(self, utterance_id: str, marker: Marker) -> bool:
         """Insert a marker after the audio pushed so far to that utterance.
 
         It is reported when the frame containing the next sample is returned
@@ -322,7 +336,7 @@ class PlayoutTrack(MediaStreamTrack):
         if utt.ended:
             raise ValueError(f"utterance {utterance_id!r} was already ended")
         out_pos = utt.in_samples * SAMPLE_RATE_OUT // self._in_rate
-        utt.markers.append((out_pos // FRAME_SAMPLES, label, data))
+        utt.markers.append((out_pos // FRAME_SAMPLES, marker))
         return True
 
     def end_utterance(self, utterance_id: str) -> bool:
@@ -544,7 +558,7 @@ class PlayoutTrack(MediaStreamTrack):
                 if not _startable(utt):
                     return _SILENCE  # pre-roll: still filling the buffer (jitter 0 waits for 1 frame)
                 utt.started = True
-                self._queue_event(PlayoutEventKind.STARTED, utt)
+                self._pending_events.append(UtteranceStarted(utt.utterance_id, self._event_time, self._pts()))
             if utt.frames:
                 payload = utt.frames.popleft()
                 self._queued_frames -= 1
@@ -597,8 +611,7 @@ class PlayoutTrack(MediaStreamTrack):
         self._queue.popleft()
         del self._by_id[utt.utterance_id]
         self._pending_events.append(
-            PlayoutEvent(
-                kind=PlayoutEventKind.FINISHED,
+            UtteranceFinished(
                 utterance_id=utt.utterance_id,
                 timestamp=self._event_time,
                 audio_ms=utt.frames_played * FRAME_MS,
@@ -607,26 +620,16 @@ class PlayoutTrack(MediaStreamTrack):
                 underrun_at_ms=tuple(frames * FRAME_MS for frames in utt.underrun_at),
                 late_frames=utt.late_frames,
                 max_late_ms=round(utt.max_late_s * MS_PER_SECOND, 1),
-                pts=self._frames_sent * FRAME_SAMPLES,
+                pts=self._pts(),
             )
         )
 
-    def _queue_event(self, kind: PlayoutEventKind, utt: _Utterance) -> None:
-        self._pending_events.append(PlayoutEvent(kind=kind, utterance_id=utt.utterance_id, timestamp=self._event_time,
-                                                 pts=self._frames_sent * FRAME_SAMPLES))
+    def _pts(self) -> int:
+        """The pts of the frame this recv returns."""
+        return self._frames_sent * FRAME_SAMPLES
 
-    def _queue_marker(self, utt: _Utterance, marker: tuple[int, str, Any]) -> None:
-        _, label, data = marker
-        self._pending_events.append(
-            PlayoutEvent(
-                kind=PlayoutEventKind.MARKER,
-                utterance_id=utt.utterance_id,
-                timestamp=self._event_time,
-                label=label,
-                data=data,
-                pts=self._frames_sent * FRAME_SAMPLES,
-            )
-        )
+    def _queue_marker(self, utt: _Utterance, marker: tuple[int, Marker]) -> None:
+        self._pending_events.append(MarkerReached(utt.utterance_id, self._event_time, self._pts(), marker[1]))
 
     def _emit_pending(self) -> None:
         # Emitted only after the frame is chosen and state is consistent, so a

@@ -1,7 +1,7 @@
 """One browser peer: its connection, its data channel, its utterance queue, and how long it may live.
 
 What the session hands off: message parsing to `protocol`, synthesis to its `Speaker`, playout events to its
-`PlayoutReporter`, word timings, heard reports, rates and repeats to its `Lesson`, signalling to
+`PlayoutReporter`, word timings, heard reports, rates and repeats to its `UtteranceTimelines`, signalling to
 `gateway.edge.signalling` and the set of sessions to `SessionManager`. Every
 utterance ends in exactly one of `done`, `cancelled` or an `error` naming its id; a session closed by the
 gateway gets an `error` saying why first.
@@ -22,11 +22,11 @@ from gateway.media.encoder import OpusTrack
 from gateway.media.playout import SAMPLE_RATE_OUT, PlayoutTrack
 from gateway.orpheus import SentenceSplitter
 from gateway.rtc import protocol
-from gateway.rtc.lesson import Lesson
 from gateway.rtc.protocol import CONTROL_LABEL, Cancel, Ping, Played, ProtocolError, Repeat, Speak
 from gateway.rtc.reporter import PlayoutReporter
 from gateway.rtc.services import SessionServices
 from gateway.rtc.speaker import Speaker
+from gateway.rtc.timeline import UtteranceTimelines
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot, TokenBucket
 from gateway.speech.engine import EngineUnavailableError
@@ -68,11 +68,11 @@ class Session:
         self._rate_error_at = -RATE_ERROR_INTERVAL_S
         self.utterances: dict[str, Utterance] = {}  # queued, synthesising or playing
         self._abandoned: dict[str, None] = {}  # insertion-ordered set, trimmed to MAX_ABANDONED_IDS
-        self.lesson = Lesson(services, pc, self.send)
-        self.reporter = PlayoutReporter(services.metrics, self.utterances, self.send, self.lesson)
-        self.track = self.lesson.track = PlayoutTrack(on_event=self.reporter.on_playout_event)
+        self.timelines = UtteranceTimelines(services, pc, self.send)
+        self.reporter = PlayoutReporter(services.metrics, self.utterances, self.send, self.timelines)
+        self.track = self.timelines.track = PlayoutTrack(on_event=self.reporter.on_playout_event)
         self.speaker = Speaker(services, self.track, jitter_buffer_ms, self._fail, name=f"session-{session_id[:8]}",
-                               lesson=self.lesson)
+                               timelines=self.timelines)
         self._watchdog = asyncio.create_task(self._watch(), name=f"session-watch-{session_id[:8]}")
 
         # aiortc sends what the Opus stage returns; the playout track stays the one place that keeps time.
@@ -149,7 +149,7 @@ class Session:
         elif isinstance(message, Repeat):
             self.repeat(message)
         elif isinstance(message, Played):
-            self.lesson.played(message)
+            self.timelines.played(message)
 
     def speak(self, message: Speak) -> None:
         utterance_id = message.id
@@ -176,7 +176,7 @@ class Session:
         voice = _checked(resolve_voice, self.config.voice_list, self.voice, message.voice,
                          utterance_id=utterance_id)
         _checked(check_text, message.text, limit, allow_empty=message.more, utterance_id=utterance_id)
-        rate = self.lesson.check_rate(message.rate, utterance_id)
+        rate = self.timelines.check_rate(message.rate, utterance_id)
         utterance = Utterance(utterance_id, voice, time.monotonic(), SentenceSplitter(self.config.max_sentence_chars),
                               rate=rate)
         utterance.add_text(message.text, message.more)
@@ -184,7 +184,7 @@ class Session:
 
     def repeat(self, message: Repeat) -> None:
         """Play (words of) a recent utterance again, from the session's recordings: no engine request."""
-        utterance = self.lesson.repeat(message)  # ProtocolError: nothing to repeat, bad range or rate
+        utterance = self.timelines.repeat(message)  # ProtocolError: nothing to repeat, bad range or rate
         if utterance.id in self.utterances or utterance.id in self._abandoned:
             raise ProtocolError("duplicate_id", f"utterance {utterance.id!r} already exists", utterance.id)
         self._admit(utterance, message.interrupt, repeat_of=message.id)
@@ -206,9 +206,10 @@ class Session:
             raise ProtocolError("unknown_id", f"no utterance {utterance_id!r} is queued or playing", utterance_id)
         victims = [self.utterances[utterance_id]] if utterance_id else list(self.utterances.values())
         for utterance in victims:
-            heard = self.lesson.cancelled(utterance)  # before the track forgets how much of it played
+            heard = self.timelines.cancelled(utterance)  # before the track forgets how much of it played
             self._drop(utterance)
-            self.send(protocol.Cancelled(id=utterance.id, **heard))
+            self.send(protocol.Cancelled(id=utterance.id, played_ms=heard.played_ms, heard_text=heard.heard_text,
+                                         last_word=heard.last_word))
             self.services.metrics.utterances_total.labels("cancelled").inc()
 
     def _drop(self, utterance: Utterance) -> None:
@@ -219,7 +220,7 @@ class Session:
     def _end(self, utterance: Utterance) -> None:
         self.utterances.pop(utterance.id, None)
         self.track.clear(utterance.id)
-        self.lesson.forget(utterance.id)
+        self.timelines.forget(utterance.id)
         if not utterance.closed:
             self._abandoned[utterance.id] = None
             while len(self._abandoned) > MAX_ABANDONED_IDS:
@@ -293,7 +294,7 @@ class Session:
         for utterance in list(self.utterances.values()):
             self._drop(utterance)
         self.speaker.clear_pending()
-        self.lesson.close()
+        self.timelines.close()
         current = asyncio.current_task()
         for task in (*self.speaker.tasks(), self._watchdog):
             if task is not current and not task.done():

@@ -1,5 +1,5 @@
 """A session's synthesis worker: its utterances, one after the other, from the shared synthesizer (or, for a
-repeat, from a recording) through the lesson's feed (rate, sentence markers, timings) into its playout track."""
+repeat, from a recording) through its timeline's feed (rate, sentence markers, timings) into its playout track."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.media.playout import PlayoutTrack
-from gateway.rtc.lesson import Lesson, play_recording
 from gateway.rtc.services import SessionServices
+from gateway.rtc.timeline import UtteranceTimelines, play_recording
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import CapacityError
 from gateway.speech.engine import EngineError, EngineUnavailableError
@@ -29,10 +29,10 @@ class Speaker:
     its audio stream, which aborts its engine request."""
 
     def __init__(self, services: SessionServices, track: PlayoutTrack, jitter_buffer_ms: int, fail: FailUtterance,
-                 name: str, lesson: Lesson) -> None:
+                 name: str, timelines: UtteranceTimelines) -> None:
         self.services = services
         self.track = track
-        self.lesson = lesson
+        self.timelines = timelines
         self.jitter_buffer_ms = jitter_buffer_ms
         self._fail = fail
         self.pending: asyncio.Queue[Utterance] = asyncio.Queue()
@@ -90,7 +90,7 @@ class Speaker:
     async def _synthesize(self, utterance: Utterance) -> None:
         if utterance.replay is not None:
             try:
-                await play_recording(self.lesson.feed(utterance, self.jitter_buffer_ms), utterance.replay)
+                await play_recording(self.timelines.feed(utterance, self.jitter_buffer_ms), utterance.replay)
             except Exception:  # a bug must cost one utterance (reported), never the session's worker
                 log.exception("%s: repeat %s failed", self.worker.get_name(), utterance.id)
                 self._fail(utterance, "internal_error", "the utterance could not be repeated")
@@ -100,7 +100,7 @@ class Speaker:
             self._fail(utterance, EngineUnavailableError.code, "the speech engine is still starting",
                        retry_after_s=EngineUnavailableError.retry_after_s)
             return
-        feed = self.lesson.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
+        feed = self.timelines.feed(utterance, self.jitter_buffer_ms)  # begins the utterance on the track
         # The decoder's deadline for this utterance is the track's: what it holds of it, or will when it starts.
         utterance.stats = stats = UtteranceStats(
             started=utterance.received_at, playout_lead_s=functools.partial(self.track.lead_s, utterance.id),

@@ -1,9 +1,10 @@
-"""A session's lesson features: word timings and visemes per sentence, where they sit in the RTP stream, what
-the student heard of an utterance, playback rate, and repeats from the session's recordings.
+"""The utterance timelines of a session (any session, lesson or not): word timings and visemes per sentence,
+where they sit in the RTP stream, what the listener heard of an utterance, playback rate, and repeats from the
+session's recordings.
 
 The path of an utterance's audio: synthesis (or a recording, for a repeat) -> `UtteranceFeed` (stretch to the
-utterance's `rate` with `TimeStretcher`, pitch kept; a `segment` marker exactly at each sentence's first
-stretched sample; each sentence's PCM kept as made) -> `PlayoutTrack`. Once a sentence's audio is complete its
+utterance's `rate` with `TimeStretcher`, pitch kept; a `SentenceStart` marker exactly at each sentence's
+first stretched sample; each sentence's PCM kept as made) -> `PlayoutTrack`. Once a sentence's audio is complete its
 timings are made off the event loop (`timings.TimingService`); they go out as `words` + `visemes` when they are
 ready and the sentence has started playing (its `segment` left), so each carries the exact RTP timestamp of the
 sentence's first sample (`RtpClock`). Hard guarantee: a sentence's `words`/`visemes` are sent after its
@@ -14,7 +15,8 @@ its first sample, at its rate (timings are made at rate 1 and divided by the rat
 Heard report: `cancelled` and `done` carry how much audio left the server (`played_ms`) and the whole words within
 it (`heard_text`, `last_word`). `played` messages from the page go to a metric.
 
-Owns: `Lesson` (one per session), `Timeline` (one per playing utterance), `UtteranceFeed`.
+Owns: `UtteranceTimelines` (one per session), `Timeline` (one per playing utterance), `UtteranceFeed`,
+`SentenceStart` (the playout marker at each sentence's first sample) and `Heard` (the heard report).
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 from aiortc import RTCPeerConnection
 
-from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, PlayoutTrack
+from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, Marker, PlayoutTrack
 from gateway.media.stretch import LESSON_RATE_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, SentenceSplitter, language_for_voice
 from gateway.rtc import protocol
@@ -44,10 +45,27 @@ from gateway.timing import split_words
 
 log = logging.getLogger(__name__)
 
-SEGMENT_MARKER = "segment"  # playout marker at each sentence's first sample: (index, text)
 OUT_PER_IN = SAMPLE_RATE_OUT // SAMPLE_RATE  # the playout track's samples per sample pushed (2)
 REPLAY_CHUNK = SAMPLE_RATE // 2  # a repeat's audio goes to the track in 0.5 s steps (its stretch stays short)
 MAX_REPEAT_COUNTERS = 256  # ids whose repeats are counted (for "<id>#r<n>"), newest kept
+
+
+@dataclass(frozen=True, slots=True)
+class SentenceStart(Marker):
+    """The playout marker at sentence `index`'s first sample: the `segment` event goes out when it plays."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """What the listener heard of an utterance, for `done` and `cancelled`: `played_ms` of its audio left the
+    server, `heard_text` is its text to the end of the last whole word within it, `last_word` that word's index."""
+
+    played_ms: float
+    heard_text: str = ""
+    last_word: int = -1
 
 
 @dataclass(eq=False)
@@ -78,7 +96,7 @@ class Timeline:
         return self.utterance.rate
 
 
-class Lesson:
+class UtteranceTimelines:
     """One session's timings, heard reports, rates and repeats. `track` is set by the session once made."""
 
     def __init__(self, services: SessionServices, pc: RTCPeerConnection,
@@ -91,7 +109,7 @@ class Lesson:
         self.timings = timing_service(config.aligner_model)
         self.cache = ReplayCache(config.replay_cache_utterances, config.replay_cache_s)
         self.rtp = RtpClock(pc)
-        self.timelines: dict[str, Timeline] = {}
+        self.by_id: dict[str, Timeline] = {}  # utterances begun on the track, until they finish or end
         self._repeats: dict[str, int] = {}  # repeats made of each recording (for "<id>#r<n>")
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -138,7 +156,7 @@ class Lesson:
         assert self.track is not None
         self.track.begin_utterance(utterance.id, jitter_buffer_ms)
         timeline = Timeline(utterance, self.language(utterance.voice))
-        self.timelines[utterance.id] = timeline
+        self.by_id[utterance.id] = timeline
         return UtteranceFeed(self, timeline, self.track)
 
     def sentence_complete(self, timeline: Timeline, state: SentenceState) -> None:
@@ -163,7 +181,7 @@ class Lesson:
             return
         if sentence.timings is None:
             self._set_timings(sentence, _shifted(timings, sentence.char_start))
-        if self.timelines.get(timeline.utterance.id) is timeline:
+        if self.by_id.get(timeline.utterance.id) is timeline:
             self._flush(timeline, state, force=False)
 
     def recorded(self, timeline: Timeline) -> None:
@@ -176,7 +194,7 @@ class Lesson:
     # --- playout events -------------------------------------------------------------------------------------
     def started(self, utterance_id: str, pts: int) -> int | None:
         """The utterance's first frame left at `pts`: the RTP timestamp of its first sample."""
-        timeline = self.timelines.get(utterance_id)
+        timeline = self.by_id.get(utterance_id)
         rtp = self.rtp.timestamp(pts)
         if timeline is not None:
             timeline.rtp_start = rtp
@@ -184,14 +202,14 @@ class Lesson:
 
     def before_segment(self, utterance_id: str, index: int) -> None:
         """Sentence `index` starts: every earlier sentence's timings go out first."""
-        timeline = self.timelines.get(utterance_id)
+        timeline = self.by_id.get(utterance_id)
         if timeline is not None:
             for state in timeline.sentences[:index]:
                 self._flush(timeline, state, force=True)
 
     def segment_playing(self, utterance_id: str, index: int, pts: int) -> None:
         """Sentence `index`'s first sample is in the frame that left at `pts`."""
-        timeline = self.timelines.get(utterance_id)
+        timeline = self.by_id.get(utterance_id)
         if timeline is None or index >= len(timeline.sentences):
             return
         state = timeline.sentences[index]
@@ -200,30 +218,30 @@ class Lesson:
         state.playing = True
         self._flush(timeline, state, force=False)
 
-    def finished(self, utterance_id: str, audio_ms: float) -> dict[str, Any]:
+    def finished(self, utterance_id: str, audio_ms: float) -> Heard:
         """Its last frame left: what is still due goes out, then the heard report for `done`."""
-        timeline = self.timelines.pop(utterance_id, None)
+        timeline = self.by_id.pop(utterance_id, None)
         if timeline is None:
-            return {"played_ms": audio_ms}
+            return Heard(audio_ms)
         for state in timeline.sentences:
             self._flush(timeline, state, force=True)
         return self._heard(timeline, audio_ms)
 
-    def cancelled(self, utterance: Utterance) -> dict[str, Any]:
+    def cancelled(self, utterance: Utterance) -> Heard:
         """The heard report for `cancelled` (call before the track drops the utterance)."""
-        timeline = self.timelines.pop(utterance.id, None)
+        timeline = self.by_id.pop(utterance.id, None)
         played = self.track.played_ms(utterance.id) if self.track is not None else None
         if timeline is None or not played:
-            return {"played_ms": float(played or 0)}
+            return Heard(float(played or 0))
         return self._heard(timeline, played)
 
     def forget(self, utterance_id: str) -> None:
-        self.timelines.pop(utterance_id, None)
+        self.by_id.pop(utterance_id, None)
 
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        self.timelines.clear()
+        self.by_id.clear()
 
     # --- internals ------------------------------------------------------------------------------------------
     def _set_timings(self, sentence: Sentence, timings: SentenceTimings) -> None:
@@ -267,7 +285,7 @@ class Lesson:
                                      duration_ms=round(v.duration_ms / rate), word=sentence.first_word + v.word_index)
                      for v in timings.visemes]))
 
-    def _heard(self, timeline: Timeline, played_ms: float) -> dict[str, Any]:
+    def _heard(self, timeline: Timeline, played_ms: float) -> Heard:
         """The whole words within the first `played_ms` of the utterance's audio."""
         utterance = timeline.utterance
         last_word, end_char = -1, None
@@ -288,15 +306,15 @@ class Lesson:
             break
         text_start = utterance.replay.text_start if utterance.replay is not None else 0
         heard_text = utterance.text[text_start:end_char] if end_char is not None else ""
-        return {"played_ms": float(played_ms), "heard_text": heard_text, "last_word": last_word}
+        return Heard(float(played_ms), heard_text, last_word)
 
 
 class UtteranceFeed:
-    """An utterance's audio on its way to the track: stretched to its rate, a `segment` marker exactly at each
+    """An utterance's audio on its way to the track: stretched to its rate, a `SentenceStart` marker exactly at each
     sentence's first sample, each sentence's audio kept (as made) for its timings and for repeats."""
 
-    def __init__(self, lesson: Lesson, timeline: Timeline, track: PlayoutTrack) -> None:
-        self.lesson = lesson
+    def __init__(self, timelines: UtteranceTimelines, timeline: Timeline, track: PlayoutTrack) -> None:
+        self.timelines = timelines
         self.timeline = timeline
         self.track = track
         self.id = timeline.utterance.id
@@ -345,12 +363,12 @@ class UtteranceFeed:
         while self._marks:  # sentences without audio (none from the synthesizer): marked at the end
             self._mark(self._marks.popleft())
         self.track.end_utterance(self.id)
-        self.lesson.recorded(self.timeline)
+        self.timelines.recorded(self.timeline)
 
     def _complete(self) -> None:
         state, self._current = self._current, None
         if state is not None and (state.sentence.pcm is None or state.sentence.timings is None):
-            self.lesson.sentence_complete(self.timeline, state)
+            self.timelines.sentence_complete(self.timeline, state)
 
     def _push(self, out: np.ndarray) -> None:
         """Push stretched audio, cut where a sentence's first sample lands so its marker sits exactly there."""
@@ -368,7 +386,7 @@ class UtteranceFeed:
     def _mark(self, state: SentenceState) -> None:
         state.out_start = self.out_samples
         sentence = state.sentence
-        self.track.mark(self.id, SEGMENT_MARKER, (sentence.index, sentence.text))
+        self.track.mark(self.id, SentenceStart(sentence.index, sentence.text))
 
 
 def _shifted(timings: SentenceTimings, char_offset: int) -> SentenceTimings:
