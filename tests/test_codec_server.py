@@ -42,7 +42,7 @@ from gateway.speech.codec_server import (
     StreamCodecServer,
     codec_server_env,
 )
-from gateway.speech.snac_stream import MAX_HEAD_FRAMES, StreamingSnac
+from gateway.speech.snac import MAX_HEAD_FRAMES, StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from tests.support import decoded_audio, make_frames, wait_until

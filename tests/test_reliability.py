@@ -43,7 +43,7 @@ from gateway.service.admission import (
     create_stream_counts,
 )
 from gateway.speech.engine import ENGINE_RETRY_AFTER_S, EngineState
-from gateway.speech.snac_stream import StreamHandle
+from gateway.speech.snac import StreamHandle
 from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import (

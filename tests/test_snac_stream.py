@@ -1,4 +1,4 @@
-"""The exact streaming SNAC decoder (gateway/speech/snac_stream.py) against `snac.SNAC.decode` on a random-weight
+"""The exact streaming SNAC decoder (gateway/speech/snac/) against `snac.SNAC.decode` on a random-weight
 24 kHz SNAC, CPU only. References use the same position-tied noise (`reference_decode`).
 
 Set SNAC_STREAM_ALL_LENGTHS=1 to check every utterance length 1..40 (about a minute more on 2 cores); the default
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.devtools.snac_reference import reference_decode
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
 from gateway.speech.first_audio import (
     BRIDGE_PACE_FACTOR,
@@ -35,14 +36,13 @@ from gateway.speech.first_audio import (
     start_hold_s,
     starts_exact,
 )
-from gateway.speech.snac_stream import (
+from gateway.speech.snac import (
     GPU_SNAC_DTYPE,
     MAX_HEAD_FRAMES,
     OPEN_END,
     StreamHandle,
     StreamingSnac,
     position_noise,
-    reference_decode,
     snac_compiles,
     snac_device_and_dtype,
 )
@@ -305,7 +305,7 @@ def test_a_default_compile_that_fails_falls_back_to_eager(tmp_path: Path, monkey
     that raises), the step runs eagerly with a warning; asked for by name (`--snac-compile`), the failure stops
     the start."""
     from gateway.devtools.devmodels import build_test_snac
-    from gateway.speech import snac_stream
+    from gateway.speech.snac import pool
 
     path = str(build_test_snac(tmp_path))
 
@@ -315,8 +315,8 @@ def test_a_default_compile_that_fails_falls_back_to_eager(tmp_path: Path, monkey
         return run
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    monkeypatch.setattr(snac_stream, "snac_compiles", lambda device, compile: compile is not False)
-    with caplog.at_level(logging.WARNING, logger=snac_stream.__name__):
+    monkeypatch.setattr(pool, "snac_compiles", lambda device, compile: compile is not False)
+    with caplog.at_level(logging.WARNING, logger=pool.__name__):
         snac = StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False)
     assert not snac.compiled and "runs eagerly" in caplog.text
     handle = snac.open_stream()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from snac import SNAC
 
+from gateway.devtools.snac_reference import reference_decode
 from gateway.orpheus import SAMPLES_PER_FRAME
-from gateway.speech.snac_stream import reference_decode
 from gateway.speech.stream_decoder import BRIDGE_CROSSFADE, DecodeStream, StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from tests.support import wait_until

@@ -20,7 +20,7 @@ from snac import SNAC
 
 from gateway.devtools.devmodels import SNAC_24KHZ_CONFIG, random_frames
 from gateway.orpheus import SAMPLES_PER_FRAME
-from gateway.speech.snac_stream import StreamingSnac
+from gateway.speech.snac import StreamingSnac
 from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
 
 

@@ -34,7 +34,7 @@ from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
 from gateway.speech.codec_server import CodecStreamClient, StreamCodecServer
 from gateway.speech.first_audio import START_POLICIES
-from gateway.speech.snac_stream import StreamingSnac
+from gateway.speech.snac import StreamingSnac
 from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE

@@ -30,7 +30,7 @@ from pathlib import Path
 from gateway.benchmarks.timing import simulate_playback
 from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
-from gateway.speech.snac_stream import StreamingSnac
+from gateway.speech.snac import StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE  # 85.3 ms of audio per frame

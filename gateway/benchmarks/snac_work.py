@@ -8,13 +8,13 @@ runs at ~1.5% of the card's bf16 peak; docs/decisions/exact-streaming-snac-decod
 kernels launched and, per stream, the bytes they read and write. Per-stream bytes are the difference of two batch
 sizes (`--batches`), so the weights, read once per kernel whatever the batch, drop out.
 
-- eager: the aten ops `_Decoder.stream` runs (views excluded; snac's Snake counted as one kernel, as TorchScript's
+- eager: the aten ops `DecoderLayers.stream` runs (views excluded; snac's Snake counted as one kernel, as TorchScript's
   fuser makes it on CUDA), each reading its inputs and writing its outputs once;
 - compiled: `StreamingSnac(compile=True)` (depthwise convolutions as shifted products), from the code Inductor
   generates: its fused kernels and the convolutions it leaves to aten, each reading its argument buffers and
   writing its outputs once, plus the step's eager ops around it (state gather and scatter, PCM). Inductor's CPU
   kernels stand in for its GPU ones: one fusion scheduler for both, though the GPU's may split more kernels;
-- windows: a 3-frame window (`_Decoder.full`: the work per new frame of the gateway's old windows decoder, the
+- windows: a 3-frame window (`DecoderLayers.full`: the work per new frame of the gateway's old windows decoder, the
   benchmarks' baseline in tools/device/windows_baseline.py, and of a bridge decode), 3 frames per new one.
 
 The predicted GPU gain of a variant, if the step stays bound by memory traffic, is the ratio of bytes per stream.
@@ -41,10 +41,10 @@ from snac import SNAC
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import gateway.speech.snac_stream as snac_stream
+import gateway.speech.snac.layers as snac_layers
 from gateway.devtools.devmodels import SNAC_24KHZ_CONFIG
 from gateway.orpheus import SLOTS_PER_FRAME
-from gateway.speech.snac_stream import OPEN_END, StreamingSnac
+from gateway.speech.snac import DTYPES, OPEN_END, StreamingSnac
 
 # Views and allocations move no data.
 NO_TRAFFIC = {"slice", "reshape", "view", "unsqueeze", "squeeze", "transpose", "select", "expand", "_unsafe_view",
@@ -103,7 +103,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def _inputs(snac: StreamingSnac, batch: int) -> tuple[torch.Tensor, ...]:
-    """`_Decoder.stream`'s arguments for `batch` streams mid-utterance."""
+    """`DecoderLayers.stream`'s arguments for `batch` streams mid-utterance."""
     gen = torch.Generator().manual_seed(batch)
     return (torch.zeros(batch, snac.decoder.state_size, dtype=snac.dtype),
             torch.randint(0, 4096, (batch, 1, SLOTS_PER_FRAME), generator=gen),
@@ -121,10 +121,10 @@ def _packed(batch: int) -> torch.Tensor:
 def count_eager(snac: StreamingSnac, batch: int, what: str) -> list[tuple[str, int]]:
     """The ops of one window decode (`windows`) or of one whole step (`stream`, `stream masked`: the state's
     gather and scatter and the PCM conversion included); `around` counts only what the step runs outside
-    `_Decoder.stream` (the part a compiled step leaves eager)."""
+    `DecoderLayers.stream` (the part a compiled step leaves eager)."""
     counter = OpCounter()
-    snake, stream = snac_stream.snake, snac._stream
-    snac_stream.snake = counter.one_kernel("snake", snake)  # type: ignore[assignment]
+    snake, stream = snac_layers.snake, snac._stream
+    snac_layers.snake = counter.one_kernel("snake", snake)  # type: ignore[assignment]
     if what == "around":
         snac._stream = counter.one_kernel(None, stream)
     _, _, frame, _, seeds = _inputs(snac, batch)
@@ -137,7 +137,7 @@ def count_eager(snac: StreamingSnac, batch: int, what: str) -> list[tuple[str, i
             else:
                 snac._run_packed(packed, masked=what == "stream masked")
     finally:
-        snac_stream.snake, snac._stream = snake, stream  # type: ignore[assignment]
+        snac_layers.snake, snac._stream = snake, stream  # type: ignore[assignment]
     return counter.ops
 
 
@@ -340,7 +340,7 @@ def evaluated_per_stream(small: list[NodeWork], large: list[NodeWork], rows: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
-    parser.add_argument("--dtype", default="float32", choices=sorted(snac_stream.DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--batches", default="2,4", help="two batch sizes, comma-separated")
     parser.add_argument("--no-compiled", action="store_true", help="skip the compiled step (~2 min on 2 cores)")
     args = parser.parse_args(argv)

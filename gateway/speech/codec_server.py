@@ -504,7 +504,7 @@ class _StreamLink:
 
 def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
     """The exact streaming decoder as the settings say: served, or in a gateway process."""
-    from gateway.speech.snac_stream import StreamingSnac  # torch: only in the process that decodes
+    from gateway.speech.snac import StreamingSnac  # torch: only in the process that decodes
 
     snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
                               max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,

@@ -69,7 +69,7 @@ from gateway.speech.first_audio import (
 )
 
 if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_server imports it, torch-free)
-    from gateway.speech.snac_stream import StreamHandle, StreamingSnac
+    from gateway.speech.snac import StreamHandle, StreamingSnac
 
 log = logging.getLogger(__name__)
 

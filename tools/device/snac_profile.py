@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gateway.devtools.devmodels import build_test_snac
 from gateway.orpheus import SLOTS_PER_FRAME
-from gateway.speech.snac_stream import OPEN_END, StreamingSnac
+from gateway.speech.snac import OPEN_END, StreamingSnac
 
 WINDOW_FRAMES = 3
 # (kind, substrings of a kernel's name), first match wins; names lower-cased.

@@ -5,7 +5,7 @@ For each batch size B (streams decoded together) and dtype, one call advances ev
 
 - windows: `windows_baseline.SnacModel` with CUDA graphs on 3-frame windows (1 context + 1 new + 1
   lookahead), what the gateway ran before the exact stream (the baseline);
-- stream: `gateway.speech.snac_stream.StreamingSnac` with CUDA graphs (one frame per stream per step);
+- stream: `gateway.speech.snac.StreamingSnac` with CUDA graphs (one frame per stream per step);
 - stream-compiled (`--stream-variants eager,compiled`): the same with its step through torch.compile.
 
 Reported per row: `gpu_ms` (torch.cuda.Event time of the graph replay alone, median; for the stream the
@@ -41,8 +41,9 @@ import torch
 from gateway.benchmarks.device.windows_baseline import SnacModel
 
 from gateway.devtools.devmodels import build_test_snac
+from gateway.devtools.snac_reference import reference_decode
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME
-from gateway.speech.snac_stream import OPEN_END, StreamingSnac, reference_decode
+from gateway.speech.snac import OPEN_END, StreamingSnac
 
 WINDOW_FRAMES = 3
 STEPS_PER_AUDIO_SECOND = SAMPLE_RATE / SAMPLES_PER_FRAME  # 11.72 calls per second of audio per stream
@@ -86,7 +87,7 @@ def use_compiled_snake() -> None:
     import snac.layers
     import torch._dynamo
 
-    import gateway.speech.snac_stream as stream
+    import gateway.speech.snac.layers as stream
 
     # One graph per (dtype, batch 1 or more, channel count) at most: a few dozen small compiles.
     torch._dynamo.config.recompile_limit = 256

@@ -1,5 +1,5 @@
 """The benchmarks' baseline: SNAC decoding of sliding 3-frame windows, as the gateway decoded before the exact
-streaming decoder (`gateway.speech.snac_stream`) replaced it. Not part of the gateway; kept so that
+streaming decoder (`gateway.speech.snac`) replaced it. Not part of the gateway; kept so that
 `snac_stream_bench.py`, `snac_profile.py`, `snac_check.py` and `contention.py` time the old decoder against the new
 one on the same GPU.
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gateway.orpheus import SLOTS_PER_FRAME, frames_to_layers
-from gateway.speech.snac_stream import INT16_MAX, snac_device_and_dtype
+from gateway.speech.snac import INT16_MAX, snac_device_and_dtype
 
 log = logging.getLogger(__name__)
 
