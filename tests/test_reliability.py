@@ -42,7 +42,8 @@ from gateway.service.admission import (
     clear_stream_count,
     create_stream_counts,
 )
-from gateway.speech.engine import ENGINE_RETRY_AFTER_S, EngineState
+from gateway.speech.engine import EngineState
+from gateway.speech.errors import ENGINE_RETRY_AFTER_S
 from gateway.speech.snac import StreamHandle
 from gateway.speech.stream_decoder import DecodeStream, StreamDecoder
 from gateway.speech.synthesizer import Synthesizer

@@ -27,7 +27,8 @@ from gateway.cli import build_parser
 from gateway.config import ConfigError, GatewayConfig
 from gateway.edge.app import create_app
 from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt
-from gateway.speech.engine import EngineDeadError, EngineState, EngineUnavailableError
+from gateway.speech.engine import EngineState
+from gateway.speech.errors import EngineDeadError, EngineUnavailableError
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from tests.support import SERVER_START_TIMEOUT_S, VllmServer, free_port, tiny_config, wait_until

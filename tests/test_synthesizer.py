@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame, build_prompt, sentence_token_cap
-from gateway.speech.engine import EngineDeadError, EngineState
+from gateway.speech.engine import EngineState
+from gateway.speech.errors import EngineDeadError, InvalidRequestError
 from gateway.speech.stream_decoder import DecodeStream
-from gateway.speech.synthesizer import UNHEARD_LEAD_S, InvalidRequestError, Synthesizer, UtteranceStats
+from gateway.speech.synthesizer import UNHEARD_LEAD_S, Synthesizer, UtteranceStats
 from tests.support import wait_until
 
 pytestmark = pytest.mark.engine

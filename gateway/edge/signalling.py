@@ -28,7 +28,8 @@ from gateway.rtc import protocol
 from gateway.rtc.ice import client_id, ice_servers, uses_turn_secret
 from gateway.rtc.session import Session
 from gateway.service.admission import CapacityError
-from gateway.speech.synthesizer import InvalidRequestError, resolve_voice
+from gateway.speech.errors import InvalidRequestError
+from gateway.speech.synthesizer import resolve_voice
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.media.stretch import SPEECH_SPEED_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, build_prompt, split_sentences
 from gateway.service.admission import CapacityError
-from gateway.speech.engine import ENGINE_RETRY_AFTER_S, EngineDeadError, EngineUnavailableError
-from gateway.speech.synthesizer import AudioChunk, InvalidRequestError, Synthesizer, UtteranceStats
+from gateway.speech.errors import ENGINE_RETRY_AFTER_S, EngineDeadError, EngineUnavailableError, InvalidRequestError
+from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from gateway.rtc.speaker import Speaker
 from gateway.rtc.timeline import UtteranceTimelines
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot, TokenBucket
-from gateway.speech.engine import EngineUnavailableError
-from gateway.speech.synthesizer import InvalidRequestError, check_text, resolve_voice
+from gateway.speech.errors import EngineUnavailableError, InvalidRequestError
+from gateway.speech.synthesizer import check_text, resolve_voice
 
 log = logging.getLogger(__name__)
 

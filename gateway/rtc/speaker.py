@@ -14,8 +14,8 @@ from gateway.rtc.services import SessionServices
 from gateway.rtc.timeline import UtteranceTimelines, play_recording
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import CapacityError
-from gateway.speech.engine import EngineError, EngineUnavailableError
-from gateway.speech.synthesizer import InvalidRequestError, UtteranceStats
+from gateway.speech.errors import EngineError, EngineUnavailableError, InvalidRequestError
+from gateway.speech.synthesizer import UtteranceStats
 
 log = logging.getLogger(__name__)
 

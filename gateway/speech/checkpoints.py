@@ -6,14 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gateway.config import ConfigError
+from gateway.speech.errors import CheckpointNotFoundError
 
 HUB_CHECK_TIMEOUT_S = 5.0  # one quick question to the hub; its client would otherwise retry for a long while
 MAKE_TEST_MODEL_HINT = "or build a random-weight one with `orpheus-gateway make-test-model DIR --snac`"
-
-
-class CheckpointNotFoundError(ConfigError):
-    """A model, tokenizer or codec that is neither a local folder nor to be had from the hub."""
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -24,40 +24,9 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.orpheus import BOS_ID, END_OF_SPEECH_ID, PROMPT_PREFIX, PROMPT_SUFFIX
+from gateway.speech.errors import EngineDeadError, EngineUnavailableError
 
 log = logging.getLogger(__name__)
-
-
-# What a client is told to wait before asking again while the engine (re)starts: a restart takes tens of seconds,
-# and clients that ask every second only add load (docs/decisions/remote-engine.md).
-ENGINE_RETRY_AFTER_S = 5
-
-
-class EngineError(RuntimeError):
-    """Base of the errors a generation request can end with; `retry_after_s`: when asking again makes sense."""
-
-    code = "engine_error"
-    retry_after_s: int | None = None
-
-
-class EngineUnavailableError(EngineError):
-    """The engine is starting or restarting; try again shortly."""
-
-    code = "engine_unavailable"
-    retry_after_s = ENGINE_RETRY_AFTER_S
-
-
-class EngineDeadError(EngineError):
-    """The engine died while this request was running; it is being restarted."""
-
-    code = "engine_dead"
-    retry_after_s = ENGINE_RETRY_AFTER_S
-
-
-class EngineRequestError(EngineError):
-    """The engine refused this request as invalid (e.g. longer than the model's context); retrying will not help."""
-
-    code = "engine_rejected"
 
 
 class EngineState(enum.Enum):

@@ -33,14 +33,17 @@ from gateway.speech.engine import (
     WARMUP_PROMPT,
     WARMUP_TOKENS,
     EngineBase,
-    EngineDeadError,
-    EngineError,
-    EngineRequestError,
     EngineState,
-    EngineUnavailableError,
     sampling_settings,
     warm_up_ladder,
     warmup_sizes,
+)
+from gateway.speech.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineRequestError,
+    EngineUnavailableError,
+    ServerUnusableError,
 )
 
 log = logging.getLogger(__name__)
@@ -69,10 +72,6 @@ class RemoteServer:
     taken_out: int = 0  # times it was taken out of routing
     last_error: str | None = None
     warmed_up: bool = False  # the start-up bursts ran since it (re)joined
-
-
-class _ServerUnusableError(Exception):
-    """This server cannot take the request; another one may."""
 
 
 class RemoteEngine(EngineBase):
@@ -138,12 +137,12 @@ class RemoteEngine(EngineBase):
         try:
             async with await _send(session, "GET", f"{server.url}/health", timeout=timeout) as response:
                 if response.status != 200:
-                    raise _ServerUnusableError(f"/health answered {response.status}")
+                    raise ServerUnusableError(f"/health answered {response.status}")
             if server.model is None:
                 server.model = await self._served_model(session, server, timeout)
             if not server.warmed_up:
                 await self._warm_up(session, server)
-        except (TimeoutError, aiohttp.ClientError, _ServerUnusableError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ServerUnusableError) as exc:
             self._take_out(server, _describe(exc))
             return
         self._put_back(server)
@@ -174,16 +173,16 @@ class RemoteEngine(EngineBase):
                             timeout: aiohttp.ClientTimeout) -> str:
         async with session.get(f"{server.url}/v1/models", timeout=timeout) as response:
             if response.status in (401, 403):
-                raise _ServerUnusableError(f"/v1/models answered {response.status}: check vllm_api_key")
+                raise ServerUnusableError(f"/v1/models answered {response.status}: check vllm_api_key")
             if response.status != 200:
-                raise _ServerUnusableError(f"/v1/models answered {response.status}")
+                raise ServerUnusableError(f"/v1/models answered {response.status}")
             served = [m["id"] for m in (await response.json()).get("data", [])]
         wanted = self.config.vllm_model
         if wanted is None and served:
             return served[0]
         if wanted in served:
             return wanted
-        raise _ServerUnusableError(f"serves {served}, not {wanted!r} (vllm_model)")
+        raise ServerUnusableError(f"serves {served}, not {wanted!r} (vllm_model)")
 
     def _take_out(self, server: RemoteServer, reason: str) -> None:
         if server.healthy is not False:  # log changes only, not every failed check
@@ -243,12 +242,12 @@ class RemoteEngine(EngineBase):
 
     async def _post(self, session: aiohttp.ClientSession, server: RemoteServer,
                     body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """Open the stream on `server`; `_ServerUnusableError` when another server should get the request."""
+        """Open the stream on `server`; `ServerUnusableError` when another server should get the request."""
         try:
             response = await _send(session, "POST", f"{server.url}/v1/completions",
                                    json={**body, "model": server.model})
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _ServerUnusableError(f"connection failed: {_describe(exc)}") from exc
+            raise ServerUnusableError(f"connection failed: {_describe(exc)}") from exc
         if response.status == 200:
             return response
         try:
@@ -257,7 +256,7 @@ class RemoteEngine(EngineBase):
             response.release()
         if response.status in REQUEST_ERROR_STATUSES:
             raise EngineRequestError(f"the vLLM server refused the request: {message}")
-        raise _ServerUnusableError(f"answered {response.status}: {message}")
+        raise ServerUnusableError(f"answered {response.status}: {message}")
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None,
                        seed: int | None = None, priority: int = 0) -> AsyncIterator[list[int]]:
@@ -285,7 +284,7 @@ class RemoteEngine(EngineBase):
                 server.requests += 1
                 try:
                     response = await self._post(session, server, body)
-                except _ServerUnusableError as exc:
+                except ServerUnusableError as exc:
                     server.in_flight -= 1
                     self._take_out(server, str(exc))
                     continue

@@ -35,6 +35,7 @@ from gateway.orpheus import (
 from gateway.speech.checkpoints import require_checkpoint
 from gateway.speech.codec_server import CodecStreamClient, DecoderSettings, load_stream_decoder, wait_for_server
 from gateway.speech.engine import EngineBase, OrpheusEngine
+from gateway.speech.errors import InvalidRequestError
 from gateway.speech.first_audio import FAST_START_BURST_WINDOW_S, fast_start_in_time, fast_start_margin_s
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream, StreamDecoder
@@ -42,14 +43,6 @@ from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream, S
 log = logging.getLogger(__name__)
 
 FIRST_TOKENS_KEPT = 1024  # recent first tokens a fast start looks back over: a larger burst still reads as one
-
-
-class InvalidRequestError(ValueError):
-    """A request the synthesizer refuses (unknown voice, empty or too long text)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def resolve_voice(voices: list[str], default: str, voice: str | None,
