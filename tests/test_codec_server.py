@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from gateway.orpheus import SAMPLES_PER_FRAME, Frame
-from gateway.speech.codec_server import (
+from gateway.speech.codec.client import SERVER_POLL_S, CodecStreamClient
+from gateway.speech.codec.server import SERVER_ENV, CodecServerSettings, StreamCodecServer, codec_server_env
+from gateway.speech.codec.wire import (
     ALL_STREAMS,
     CHUNK,
     END,
@@ -33,15 +35,9 @@ from gateway.speech.codec_server import (
     PUSH,
     PUSH_HEAD,
     RELEASE,
-    SERVER_ENV,
-    SERVER_POLL_S,
     STREAM_HELLO,
-    CodecServerSettings,
-    CodecStreamClient,
-    DecoderSettings,
-    StreamCodecServer,
-    codec_server_env,
 )
+from gateway.speech.decoder import Decoder, DecoderSettings
 from gateway.speech.snac import MAX_HEAD_FRAMES, StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
@@ -128,7 +124,7 @@ def pushes(frames: list[Frame], pieces: Sequence[int] = (1, 3, 2)) -> list[list[
     return cut
 
 
-async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list[Frame]) -> np.ndarray:
+async def decode_stream(decoder: Decoder, frames: list[Frame]) -> np.ndarray:
     """One sentence's audio from a streaming decoder: frames pushed a few at a time (`pushes`), then finished."""
     stream = decoder.open(lambda: 0.0)
     for piece in pushes(frames):
@@ -140,7 +136,7 @@ async def decode_stream(decoder: StreamDecoder | CodecStreamClient, frames: list
         decoder.release(stream)
 
 
-async def decode_all_at_once(decoder: StreamDecoder | CodecStreamClient, worker: StreamDecoder,
+async def decode_all_at_once(decoder: Decoder, worker: StreamDecoder,
                              gated: GatedStreamingSnac, frames: list[Frame]) -> np.ndarray:
     """`decode_stream`, with every command of the sentence waiting in `worker`'s queue before it acts on any: a
     blocker stream holds the worker in its first step meanwhile. What a decoder sees at each tick then no longer
@@ -399,7 +395,7 @@ def test_a_waiting_listeners_lead_holds_until_its_audio_is_sent() -> None:
     """The server's model of a client's lead: reported as not running (the listener waits for this stream's first
     audio), it stays as reported; from the first audio sent it runs down in real time; a running lead runs down
     from its report."""
-    from gateway.speech.codec_server import _ClientLead
+    from gateway.speech.codec.server import _ClientLead
 
     lead = _ClientLead()
     lead.report(0, runs=False)

@@ -32,7 +32,9 @@ from gateway.benchmarks.records import first_audio_starts
 from gateway.benchmarks.timing import simulate_playback
 from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
-from gateway.speech.codec_server import CodecStreamClient, StreamCodecServer
+from gateway.speech.codec.client import CodecStreamClient
+from gateway.speech.codec.server import StreamCodecServer
+from gateway.speech.decoder import Decoder
 from gateway.speech.first_audio import START_POLICIES
 from gateway.speech.snac import StreamingSnac
 from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, StreamDecoder
@@ -78,7 +80,7 @@ async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, l
                   where: str = DECODERS[0]) -> ScheduleRun:
     decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start=start)
     server: StreamCodecServer | None = None
-    client: StreamDecoder | CodecStreamClient = decoder
+    client: Decoder = decoder
     if where == "remote":
         server = StreamCodecServer(decoder, Path(tempfile.mkdtemp(prefix="decoder-schedule-")) / "snac.sock")
         server.start()
@@ -114,7 +116,7 @@ async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, l
         all(samples == frames * SAMPLES_PER_FRAME for _, _, samples in results))
 
 
-async def _sentence(decoder: StreamDecoder | CodecStreamClient, frames: list[Frame], start: float, interval: float,
+async def _sentence(decoder: Decoder, frames: list[Frame], start: float, interval: float,
                     listener_s: float, delivery_s: float) -> tuple[float, list[tuple[float, float]], int]:
     """One sentence: its frames pushed on the clock, its audio timed where the listener gets it (`delivery_s`
     after the decoder). Returns (first audio after its first frame, arrivals as (seconds, audio seconds),

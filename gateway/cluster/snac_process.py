@@ -1,5 +1,5 @@
 """The shared SNAC process of `serve --workers` (`python -m gateway.cluster.snac_process`; the supervisor starts
-and restarts it): the codec server its settings describe (`gateway.speech.codec_server`, settings as JSON in
+and restarts it): the codec server its settings describe (`gateway.speech.codec.server`, settings as JSON in
 ORPHEUS_GATEWAY_SNAC_SERVER), and its metrics (`SnacMetrics`: passes, batch sizes, pass durations; and the lag of
 the loop that serves the streams) on a Unix socket beside the codec socket (`metrics_socket_path`). SNAC is the
 pipeline's main GPU cost, so its batching must be visible where the decoding happens: the workers' `/metrics`
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from gateway.cluster.lifecycle import until_stop_signal
 from gateway.service.loop_lag import LoopLagMonitor
 from gateway.service.metrics import CONTENT_TYPE, METRICS_PATH, SnacMetrics, loop_lag_histogram
-from gateway.speech.codec_server import SERVER_ENV, CodecServerSettings, StreamCodecServer
+from gateway.speech.codec.server import SERVER_ENV, CodecServerSettings, StreamCodecServer
 
 log = logging.getLogger(__name__)
 

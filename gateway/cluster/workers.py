@@ -53,7 +53,7 @@ from gateway.edge.http import GATEWAY_KEY, SESSION_OFFER_ROUTES, json_error
 from gateway.service.admission import AT_CAPACITY, StreamCounts, clear_stream_count, create_stream_counts
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH, merge_worker_expositions
-from gateway.speech.codec_server import CodecServerSettings, codec_server_env
+from gateway.speech.codec.server import CodecServerSettings, codec_server_env
 from gateway.speech.engine import vllm_serve_flags
 from gateway.speech.synthesizer import decoder_settings
 

@@ -1,6 +1,7 @@
 """The speech layer's exceptions, in one place: what a generation request can end with (`EngineError` and its
 kinds, each with the code and retry hint the front ends report), a request the synthesizer refuses, a checkpoint
-that cannot be found, and a `vllm serve` server that cannot take a request.
+that cannot be found, a `vllm serve` server that cannot take a request, and a codec connection that broke the
+SNAC stream protocol.
 """
 
 from __future__ import annotations
@@ -55,3 +56,7 @@ class InvalidRequestError(ValueError):
 class CheckpointNotFoundError(ConfigError):
     """A model, tokenizer or codec that is neither a local folder nor to be had from the hub."""
 
+
+class CodecWireError(RuntimeError):
+    """A codec client sent something that is not a message of the SNAC stream protocol (`codec.wire`): its
+    connection is closed."""

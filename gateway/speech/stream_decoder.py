@@ -68,7 +68,7 @@ from gateway.speech.first_audio import (
     starts_exact,
 )
 
-if TYPE_CHECKING:  # torch loads with the decoder, not with this module (codec_server imports it, torch-free)
+if TYPE_CHECKING:  # torch loads with the decoder, not with this module (the codec server imports it, torch-free)
     from gateway.speech.snac import StreamHandle, StreamingSnac
 
 log = logging.getLogger(__name__)

@@ -33,12 +33,13 @@ from gateway.orpheus import (
     split_sentences,
 )
 from gateway.speech.checkpoints import require_checkpoint
-from gateway.speech.codec_server import CodecStreamClient, DecoderSettings, load_stream_decoder, wait_for_server
+from gateway.speech.codec.client import CodecStreamClient, wait_for_server
+from gateway.speech.decoder import Decoder, DecoderSettings, load_stream_decoder
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.errors import InvalidRequestError
 from gateway.speech.first_audio import FAST_START_BURST_WINDOW_S, fast_start_in_time, fast_start_margin_s
 from gateway.speech.remote import RemoteEngine
-from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream, StreamDecoder
+from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +138,6 @@ class UtteranceStats:
 
 
 _END = object()  # end of one sentence's chunk queue
-# The exact streaming decoder, in this process or in the shared SNAC process (`--snac-socket`): one surface.
-StreamDecoding = StreamDecoder | CodecStreamClient
 # Stream slots beyond the engine's sequences: a sentence's slot is freed only after its last audio is out, while
 # the next sentence of the same utterance may already be generating.
 STREAM_SLOT_SPARE = 64
@@ -147,7 +146,7 @@ STREAM_SLOT_SPARE = 64
 class Synthesizer:
     """Owns the engine, the tokenizer and the SNAC decoder; hands out audio streams."""
 
-    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any, decoder: StreamDecoding) -> None:
+    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any, decoder: Decoder) -> None:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -418,7 +417,7 @@ def require_checkpoints(config: GatewayConfig) -> None:
 class _StreamFeed:
     """A sentence's frames into the exact streaming decoder."""
 
-    decoder: StreamDecoding
+    decoder: Decoder
     stream: DecodeStream
     task: asyncio.Task[None]
     stats: UtteranceStats
@@ -440,7 +439,7 @@ class _StreamFeed:
         self.decoder.release(self.stream)
 
 
-def _stream_decoder(config: GatewayConfig) -> StreamDecoding:
+def _stream_decoder(config: GatewayConfig) -> Decoder:
     """The streaming decoder in this process, or a client of the shared one (`--snac-socket`)."""
     if config.snac_socket:
         return CodecStreamClient(config.snac_socket)
