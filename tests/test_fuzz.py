@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 
 from gateway.config import GatewayConfig
 from gateway.devtools.client import HeadlessPeer
-from gateway.edge.auth import AccessPolicy, AuthError, verify_session_token
+from gateway.edge.auth import AccessPolicy, verify_session_token
+from gateway.edge.errors import AuthError
 from gateway.edge.http import OFFER_PATH
 from gateway.edge.state import GatewayState
-from gateway.rtc.protocol import ProtocolError
+from gateway.rtc.errors import ProtocolError
 from gateway.rtc.session import MAX_ABANDONED_IDS
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import EVENT_TIMEOUT_S, detached_session, offer_sdp, running, wait_until

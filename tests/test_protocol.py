@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from gateway.rtc import protocol
-from gateway.rtc.protocol import MAX_MESSAGE_BYTES, ProtocolError, parse_client_message
+from gateway.rtc.errors import ProtocolError
+from gateway.rtc.protocol import MAX_MESSAGE_BYTES, parse_client_message
 from tests.support import assert_valid
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,20 +28,20 @@ from aiortc import RTCSessionDescription
 from gateway.cluster.workers import worker_config
 from gateway.config import ConfigError, GatewayConfig, from_sources, normalize_origin
 from gateway.devtools.client import HeadlessPeer
-from gateway.edge.auth import AccessPolicy, AuthError, make_session_token, verify_session_token
+from gateway.edge.auth import AccessPolicy, make_session_token, verify_session_token
+from gateway.edge.errors import AuthError
 from gateway.edge.http import OFFER_PATH
 from gateway.edge.state import GatewayState
 from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
-from gateway.rtc.session import ProtocolError
+from gateway.rtc.errors import ProtocolError
 from gateway.service.admission import (
-    AT_CAPACITY,
     Admission,
-    CapacityError,
     StreamCounts,
     TokenBucket,
     clear_stream_count,
     create_stream_counts,
 )
+from gateway.service.errors import AT_CAPACITY, CapacityError
 from gateway.speech.engine import EngineState
 from gateway.speech.errors import ENGINE_RETRY_AFTER_S
 from gateway.speech.snac import StreamHandle

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.timing import visemes as visemes_mod
-from gateway.timing.aligner import AlignmentError, CtcAligner, ctc_forced_align, frames_needed, resample
+from gateway.timing.aligner import CtcAligner, ctc_forced_align, frames_needed, resample
+from gateway.timing.errors import AlignmentError
 from gateway.timing.visemes import (
     OCULUS_VISEMES,
     LetterG2P,

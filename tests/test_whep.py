@@ -32,7 +32,8 @@ from gateway.config import GatewayConfig
 from gateway.edge.state import GatewayState
 from gateway.rtc.protocol import Speak
 from gateway.rtc.session import Session
-from gateway.service.admission import CapacityError, Slot
+from gateway.service.admission import Slot
+from gateway.service.errors import CapacityError
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import (
     CHROMIUM,

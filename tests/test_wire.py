@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.http import OFFER_PATH
 from gateway.rtc import protocol
+from gateway.rtc.errors import ProtocolError
 from gateway.rtc.sctp import DTLS_WORST_RECORD_OVERHEAD, MAX_DATAGRAM, SAFE_USERDATA_LENGTH, SCTP_DATA_OVERHEAD
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import EVENT_TIMEOUT_S, running
@@ -118,7 +119,7 @@ def test_every_message_type_refuses_hostile_json(kind: str | None, name: str) ->
     }[name]
     try:
         message = protocol.parse_client_message(raw)
-    except protocol.ProtocolError as refused:
+    except ProtocolError as refused:
         assert refused.code in ("invalid_json", "invalid_message", "unknown_type", "message_too_large")
         assert str(refused)
         return

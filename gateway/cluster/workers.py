@@ -50,7 +50,8 @@ from gateway.cluster.lifecycle import until_stop_signal
 from gateway.cluster.snac_process import SNAC_LABEL, metrics_socket_path
 from gateway.config import GatewayConfig, validate
 from gateway.edge.http import GATEWAY_KEY, SESSION_OFFER_ROUTES, json_error
-from gateway.service.admission import AT_CAPACITY, StreamCounts, clear_stream_count, create_stream_counts
+from gateway.service.admission import StreamCounts, clear_stream_count, create_stream_counts
+from gateway.service.errors import AT_CAPACITY
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH, merge_worker_expositions
 from gateway.speech.codec.server import CodecServerSettings, codec_server_env

@@ -14,8 +14,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.config import GatewayConfig
-from gateway.edge.auth import AuthError
 from gateway.edge.cartesia_ws import CARTESIA_PATH, cartesia_websocket, request_api_key
+from gateway.edge.errors import AuthError
 from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH, SUBJECT_KEY, json_error
 from gateway.edge.signalling import add_signalling_routes
 from gateway.edge.speech_api import SPEECH_PATH, speech

@@ -24,18 +24,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.config import ANY_ORIGIN, normalize_origin
+from gateway.edge.errors import AuthError
 
 CLOCK_SKEW_S = 5.0  # the minting backend's clock may run a little behind ours
 MAX_TOKEN_CHARS = 4096  # a longer "token" is not one of ours; refuse before decoding it
-
-
-class AuthError(Exception):
-    """A request without valid credentials (HTTP 401) or from a refused origin (HTTP 403)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
 
 
 def _b64encode(data: bytes) -> str:

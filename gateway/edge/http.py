@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.edge.state import GatewayState
-from gateway.service.admission import CapacityError
+from gateway.service.errors import CapacityError
 
 GATEWAY_KEY: web.AppKey[GatewayState] = web.AppKey("gateway", GatewayState)
 OFFER_PATH = "/v1/webrtc/offer"

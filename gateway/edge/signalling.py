@@ -27,7 +27,7 @@ from gateway.edge.state import GatewayState
 from gateway.rtc import protocol
 from gateway.rtc.ice import client_id, ice_servers, uses_turn_secret
 from gateway.rtc.session import Session
-from gateway.service.admission import CapacityError
+from gateway.service.errors import CapacityError
 from gateway.speech.errors import InvalidRequestError
 from gateway.speech.synthesizer import resolve_voice
 

@@ -29,12 +29,14 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
+from gateway.edge.errors import SpeechRequestError
 from gateway.edge.http import GATEWAY_KEY, read_json_object
 from gateway.edge.word_times import TimedWord, WordClock
+from gateway.media.errors import InvalidRateError
 from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.media.stretch import SPEECH_SPEED_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, build_prompt, split_sentences
-from gateway.service.admission import CapacityError
+from gateway.service.errors import CapacityError
 from gateway.speech.errors import ENGINE_RETRY_AFTER_S, EngineDeadError, EngineUnavailableError, InvalidRequestError
 from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats
 
@@ -68,15 +70,6 @@ def _reshaped(exc: web.HTTPException) -> web.Response:
     except (ValueError, KeyError, TypeError):
         code, message = ("body_too_large" if exc.status == 413 else "invalid_body"), exc.reason
     return openai_error(exc.status, code, message)
-
-
-class SpeechRequestError(Exception):
-    """A body field the route refuses (HTTP 400), naming the field as OpenAI's `param`."""
-
-    def __init__(self, code: str, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
 
 
 # --- the request body ----------------------------------------------------------------------------------
@@ -114,7 +107,7 @@ def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> Spee
                                  "stream_format")
     try:
         speed = check_rate(body.get("speed", 1.0), *SPEECH_SPEED_RANGE, "speed")
-    except ValueError as exc:
+    except InvalidRateError as exc:
         raise SpeechRequestError("invalid_speed", str(exc), "speed") from None
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):

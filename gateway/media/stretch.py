@@ -3,7 +3,7 @@
 Owns: `TimeStretcher` (chunks in, chunks out, through libavfilter's `atempo` in a PyAV `av.filter.Graph`), the
 two ranges its callers accept (`LESSON_RATE_RANGE` for a lesson's `rate`, `SPEECH_SPEED_RANGE` for the OpenAI
 speech API's `speed`) and `check_rate`, which both callers use to refuse a value with a clear message. Imports av,
-numpy and its sibling `formats` (the one PCM input check); nothing from other gateway packages.
+numpy and its siblings `formats` (the one PCM input check) and `errors`; nothing from other gateway packages.
 
 """
 
@@ -16,6 +16,7 @@ import av
 import numpy as np
 import numpy.typing as npt
 
+from gateway.media.errors import InvalidRateError
 from gateway.media.formats import check_pcm
 
 SAMPLE_RATE = 24000  # what SNAC makes
@@ -33,12 +34,13 @@ _PAD_LIMIT_S = 2.0  # at most this much silence per flush(): atempo holds far le
 
 
 def check_rate(value: object, lo: float, hi: float, name: str) -> float:
-    """`value` as a float if it is a finite number in [lo, hi]; ValueError naming `name` and the bounds if not."""
+    """`value` as a float if it is a finite number in [lo, hi]; `InvalidRateError` naming `name` and the bounds if
+    not."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number between {lo} and {hi}, got {value!r}")
+        raise InvalidRateError(f"{name} must be a number between {lo} and {hi}, got {value!r}")
     rate = float(value)
     if not (math.isfinite(rate) and lo <= rate <= hi):
-        raise ValueError(f"{name} must be between {lo} and {hi}, got {value!r}")
+        raise InvalidRateError(f"{name} must be between {lo} and {hi}, got {value!r}")
     return rate
 
 

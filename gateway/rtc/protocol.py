@@ -10,8 +10,8 @@ Wire rules: one JSON object per message, UTF-8 text, at most `MAX_MESSAGE_BYTES`
 Unknown fields are ignored (a newer client may send more). Bad input never costs the session: `parse_client_message`
 turns it into a `ProtocolError` whose code and message become an `error` event.
 
-Imports msgspec and the standard library, and the bounds it states: the configuration's (jitter buffer) and the
-lesson rate's (`gateway.media.stretch`); nothing else of the gateway.
+Imports msgspec and the standard library, its error (`gateway.rtc.errors`) and the bounds it states: the
+configuration's (jitter buffer) and the lesson rate's (`gateway.media.stretch`); nothing else of the gateway.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import msgspec
 
 from gateway.config import JITTER_BUFFER_MAX_MS
 from gateway.media.stretch import LESSON_RATE_RANGE
+from gateway.rtc.errors import ProtocolError
 
 CONTROL_LABEL = "control"  # the data channel the protocol runs on
 MAX_MESSAGE_BYTES = 16 * 1024
@@ -44,17 +45,6 @@ PlaybackRate = Annotated[float, msgspec.Meta(
 WordIndex = Annotated[int, msgspec.Meta(ge=0, description="A word of an utterance, counted from 0 across its "
                                         "sentences (the `first_word` of its `words` event + its place there).")]
 MAX_PLAYED_MS = 24 * 3600 * 1000
-
-
-class ProtocolError(Exception):
-    """A message the server refuses: becomes `{"type": "error", "code", "message", "id"?, "retry_after_s"?}`."""
-
-    def __init__(self, code: str, message: str, utterance_id: str | None = None,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.utterance_id = utterance_id
-        self.retry_after_s = retry_after_s  # when asking again makes sense (a starting engine), as HTTP Retry-After
 
 
 # --- signalling ------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from gateway.media.encoder import OpusTrack
 from gateway.media.playout import SAMPLE_RATE_OUT, PlayoutTrack
 from gateway.orpheus import SentenceSplitter
 from gateway.rtc import protocol
-from gateway.rtc.protocol import CONTROL_LABEL, Cancel, Ping, Played, ProtocolError, Repeat, Speak
+from gateway.rtc.errors import ProtocolError
+from gateway.rtc.protocol import CONTROL_LABEL, Cancel, Ping, Played, Repeat, Speak
 from gateway.rtc.reporter import PlayoutReporter
 from gateway.rtc.services import SessionServices
 from gateway.rtc.speaker import Speaker

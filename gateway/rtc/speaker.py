@@ -13,7 +13,7 @@ from gateway.media.playout import PlayoutTrack
 from gateway.rtc.services import SessionServices
 from gateway.rtc.timeline import UtteranceTimelines, play_recording
 from gateway.rtc.utterance import Utterance
-from gateway.service.admission import CapacityError
+from gateway.service.errors import CapacityError
 from gateway.speech.errors import EngineError, EngineUnavailableError, InvalidRequestError
 from gateway.speech.synthesizer import UtteranceStats
 

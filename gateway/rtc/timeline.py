@@ -31,11 +31,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from aiortc import RTCPeerConnection
 
+from gateway.media.errors import InvalidRateError
 from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, Marker, PlayoutTrack
 from gateway.media.stretch import LESSON_RATE_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, SentenceSplitter, language_for_voice
 from gateway.rtc import protocol
-from gateway.rtc.protocol import Played, ProtocolError, Repeat
+from gateway.rtc.errors import ProtocolError
+from gateway.rtc.protocol import Played, Repeat
 from gateway.rtc.replay import Recording, ReplayCache, Sentence, plan
 from gateway.rtc.rtpclock import RtpClock
 from gateway.rtc.services import SessionServices
@@ -121,7 +123,7 @@ class UtteranceTimelines:
     def check_rate(value: object, utterance_id: str) -> float:
         try:
             return check_rate(value, *LESSON_RATE_RANGE, "rate")
-        except ValueError as exc:
+        except InvalidRateError as exc:
             raise ProtocolError("invalid_rate", str(exc), utterance_id) from None
 
     def repeat(self, message: Repeat) -> Utterance:

@@ -19,20 +19,10 @@ from types import TracebackType
 
 from gateway.config import GatewayConfig
 from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
+from gateway.service.errors import CapacityError
 
-AT_CAPACITY = "at_capacity"
 SESSION_RETRY_AFTER_S = 10  # a session slot frees when a lesson ends: minutes; ask again in a while
 STREAM_RETRY_AFTER_S = 2  # an utterance slot frees when a sentence has been generated: seconds
-
-
-class CapacityError(Exception):
-    """The gateway is full: HTTP 503 with `Retry-After`, or an `error` event with code `at_capacity`."""
-
-    code = AT_CAPACITY
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 class Slot:

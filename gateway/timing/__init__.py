@@ -10,6 +10,7 @@ Owns:
 - `visemes`: phonemes per word from a G2P (espeak-ng through phonemizer; letter rules as the fallback), one
   IPA -> viseme table, visemes timed inside their word's span (`visemes_for_words`).
 - `devmodel`: a tiny random CTC checkpoint for tests.
+- `errors`: its exceptions (`AlignmentError`).
 
 May import: numpy; torch, transformers and av (resampling) in `aligner` / `devmodel` only, imported
 lazily; phonemizer + espeakng-loader (the G2P) in `visemes` only, lazily; nothing from other gateway packages

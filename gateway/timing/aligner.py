@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from gateway.orpheus import SAMPLE_RATE
+from gateway.timing.errors import AlignmentError
 from gateway.timing.words import (
     Token,
     WordTiming,
@@ -35,10 +36,6 @@ log = logging.getLogger(__name__)
 
 MAX_TAIL_FRAMES = 3  # blank frames after a word's last token still counted as the word (60 ms at 20 ms)
 _APOSTROPHES = {"’": "'", "ʼ": "'", "‘": "'", "`": "'"}
-
-
-class AlignmentError(ValueError):
-    """No CTC path exists: fewer frames than the token sequence needs."""
 
 
 @dataclass(frozen=True)
@@ -333,7 +330,6 @@ def frames_needed(targets: Sequence[int]) -> int:
 
 
 __all__ = [
-    "AlignmentError",
     "CtcAligner",
     "TokenSpan",
     "ctc_forced_align",
