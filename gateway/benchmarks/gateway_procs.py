@@ -16,10 +16,9 @@ from typing import Any
 import psutil
 
 from gateway.benchmarks.records import MS
-from gateway.cluster.workers import VLLM_CLI_MODULE
+from gateway.cluster.supervisor import VLLM_CLI_MODULE, WORKER_MODULE
 from gateway.media.playout import LATE_FRAME_S
 
-WORKER_MODULE = "gateway.cluster.workers"
 SNAC_MODULE = "gateway.cluster.snac_process"
 # vLLM titles its processes ("VLLM::APIServer_0", "VLLM::EngineCore", "VLLM::Worker"): the API servers beyond
 # the first (--api-server-count) and the engine's processes are multiprocessing children whose command line

@@ -209,7 +209,7 @@ class _StreamConnection:
         except (asyncio.IncompleteReadError, OSError):  # the client went away (ConnectionError included)
             pass
         finally:
-            for stream_id in []:
+            for stream_id in list(self._streams):
                 self._release(stream_id)
             self._writer.close()  # after what was written (an error) has gone out
 
