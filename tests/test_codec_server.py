@@ -11,7 +11,6 @@ import os
 import socket
 import struct
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from gateway.speech.decoder import Decoder, DecoderSettings
 from gateway.speech.snac import MAX_HEAD_FRAMES, StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
-from tests.support import decoded_audio, make_frames, wait_until
+from tests.support import decoded_audio, make_frames, poll_until, wait_until
 
 
 @pytest.fixture
@@ -249,14 +248,12 @@ def test_a_connection_that_breaks_the_stream_protocol_gets_an_error_and_others_g
     server = start_stream_server(StreamingSnac(snac_weights, "cpu", max_streams=STREAM_SLOTS), server_path)
     try:
         with _stream_connection(server_path) as sock:
-            sock.sendall(_message(OPEN, 1) + message)
+            sock.sendall(_message(OPEN, 1) + _push(1, list(range(7))) + message)  # stream 1 holds a slot
             kind, stream_id, text = _read_message(sock)
             assert (kind, stream_id) == (ERROR, ALL_STREAMS) and error in text.decode()
             assert _closed(sock), "the server closes a connection that broke the protocol"
         free = server.decoder.snac._free
-        deadline = threading.Event()
-        while len(free) < STREAM_SLOTS and not deadline.wait(0.01):  # its open stream was released
-            pass
+        poll_until(lambda: len(free) == STREAM_SLOTS, "its open stream was released")
         with _stream_connection(server_path) as sock:  # another connection is served
             sock.sendall(_message(OPEN, 2) + _push(2, list(range(7))) + _message(FINISH, 2, LEAD.pack(0, 1)))
             assert _read_message(sock)[0] == CHUNK
@@ -293,10 +290,7 @@ def test_a_bad_stream_fails_alone_and_its_connection_goes_on(snac_weights: Any, 
             assert "lookahead in [0, 7]" in errors[3]
             assert set(errors) == {1, 2, 3, 7}
         free = server.decoder.snac._free
-        deadline = threading.Event()
-        while len(free) < STREAM_SLOTS and not deadline.wait(0.01):  # the closed connection's streams released
-            pass
-        assert len(free) == STREAM_SLOTS
+        poll_until(lambda: len(free) == STREAM_SLOTS, "the closed connection's streams released")
     finally:
         server.close()
     assert not server_path.exists(), "the server removes its socket"
@@ -397,13 +391,17 @@ def test_a_waiting_listeners_lead_holds_until_its_audio_is_sent() -> None:
     from its report."""
     from gateway.speech.codec.server import _ClientLead
 
-    lead = _ClientLead()
+    now = [100.0]
+    lead = _ClientLead(clock=lambda: now[0])
     lead.report(0, runs=False)
-    time.sleep(0.05)
-    assert lead() == 0.0
+    now[0] += 0.05
+    assert lead() == 0.0, "a lead reported as not running holds"
     lead.sent(2400)  # 100 ms of audio: the listener starts playing it
-    time.sleep(0.05)
-    assert lead() <= 0.1 - 0.05 + 1e-3  # 100 ms sent, at least 50 ms played
+    assert lead() == pytest.approx(0.1), "the first audio sent starts the run-down from now"
+    now[0] += 0.03
+    assert lead() == pytest.approx(0.07), "100 ms sent, 30 ms played"
     lead.report(200, runs=True)
-    time.sleep(0.05)
-    assert lead() <= 0.15 + 1e-3
+    now[0] += 0.05
+    assert lead() == pytest.approx(0.15), "a running report runs down from when it came"
+    lead.sent(1200)
+    assert lead() == pytest.approx(0.2), "audio sent to a running listener adds to its lead"

@@ -419,7 +419,7 @@ def test_viseme_table_and_weights() -> None:
     assert vs[0].start_ms == 100 and vs[-1].end_ms == 400
 
 
-# --- CPU cost (printed, not asserted) -----------------------------------------------------------------------
+# --- CPU cost (printed; what was timed is checked) ------------------------------------------------------
 
 def test_print_cpu_costs(aligner: CtcAligner, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
@@ -444,6 +444,11 @@ def test_print_cpu_costs(aligner: CtcAligner, capsys: pytest.CaptureFixture[str]
 
     vis_cold = _cpu_ms_per_audio_s(cold, audio_s, repeat=5)
     vis_warm = _cpu_ms_per_audio_s(lambda: visemes_for_words(words, "en-us"), audio_s, repeat=20)
+    # What was timed did its work: a timing per word of the text, visemes of every word, the same from the cache.
+    assert [w.text for w in words] == [w.text for w in split_words(text)]
+    uncached = (visemes_mod.cache_clear(keep_g2p=True), visemes_for_words(words, "en-us"))[1]
+    assert uncached == visemes_for_words(words, "en-us") and {v.word_index for v in uncached} == set(range(len(words)))
+    assert min(est, ali, vis_cold, vis_warm) > 0
     with capsys.disabled():
         print(f"\n[timing] {audio_s:.2f} s sentence, {len(words)} words, CPU ms per second of audio: "
               f"estimate {est:.3f}; align (tiny model, 1 thread) {ali:.2f}; visemes uncached {vis_cold:.2f} / "
