@@ -34,7 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _configure_logging(config.log_level)
     require_checkpoints(config)  # before anything starts: a missing model is one line and exit 2
     if config.workers > 1:
-        from gateway.cluster.workers import run_supervisor
+        from gateway.cluster.supervisor import run_supervisor
 
         return run_supervisor(config)
     app = create_app(config)

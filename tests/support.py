@@ -25,7 +25,7 @@ from aioice import turn as aioice_turn
 from aioice.ice import get_host_addresses
 from aiortc import RTCConfiguration, RTCPeerConnection
 
-from gateway.cluster.workers import vllm_serve_command
+from gateway.cluster.supervisor import vllm_serve_command
 from gateway.config import GatewayConfig, from_sources
 from gateway.devtools.client import HeadlessPeer
 from gateway.devtools.devmodels import random_frames

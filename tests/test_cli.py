@@ -161,7 +161,7 @@ def test_chunked_prefill_is_on_for_a_gpu_and_off_for_vllm_cpu_unless_set() -> No
 
 
 def test_one_mapping_of_settings_to_vllm_serve_flags() -> None:
-    from gateway.cluster.workers import vllm_serve_command
+    from gateway.cluster.supervisor import vllm_serve_command
     from gateway.speech.engine import vllm_engine_settings
 
     config = config_mod.from_sources(parse(["--max-num-seqs", "64", "--no-enable-prefix-caching",

@@ -43,7 +43,7 @@ from gateway.benchmarks.client_pool import spawn_children, stop_children
 from gateway.benchmarks.corpus import select
 from gateway.benchmarks.gateway_procs import TreeProcess, gateway_tree
 from gateway.benchmarks.machine import machine_info
-from gateway.cluster.workers import WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
+from gateway.cluster.addressing import WORKER_INDEX_ENV, WORKER_SOCKETS_ENV, session_prefix, socket_path
 from gateway.devtools.client import HeadlessPeer
 from gateway.rtc.protocol import TERMINAL_EVENTS
 

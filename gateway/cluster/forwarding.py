@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.cluster.addressing import FORWARDED_HEADER, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
 from gateway.cluster.snac_process import SNAC_LABEL, metrics_socket_path
 from gateway.edge.http import GATEWAY_KEY, SESSION_OFFER_ROUTES, json_error
-from gateway.service.admission import AT_CAPACITY
+from gateway.service.errors import AT_CAPACITY
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.service.metrics import METRICS_PATH, merge_worker_expositions
 

@@ -18,7 +18,7 @@ OFFER_PATH = "/v1/webrtc/offer"
 ICE_SERVERS_PATH = "/v1/webrtc/ice-servers"
 SESSIONS_PATH = "/v1/webrtc/sessions"
 # The routes that open a session (the JSON offer, WHEP's POST), by route name: under `serve --workers` a worker
-# with no session slot left passes such an offer to one that has (`gateway.cluster.workers.forward_to_owner`).
+# with no session slot left passes such an offer to one that has (`gateway.cluster.forwarding.forward_to_owner`).
 OFFER_ROUTE = "webrtc-offer"
 WHEP_OFFER_ROUTE = "whep-offer"
 SESSION_OFFER_ROUTES = frozenset({OFFER_ROUTE, WHEP_OFFER_ROUTE})

@@ -41,7 +41,7 @@ SERVE_PID=$!
 python3 - $WORKERS ${READY_TIMEOUT:-300} $OUT/$NAME/serve.log <<'EOF'
 import asyncio, sys, time
 import aiohttp
-from gateway.cluster.workers import socket_path
+from gateway.cluster.addressing import socket_path
 
 async def main(workers: int, timeout: float, log: str) -> None:
     deadline = time.monotonic() + timeout
