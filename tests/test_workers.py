@@ -22,7 +22,13 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cluster.addressing import FORWARDED_HEADER, SNAC_SOCKET_NAME, WORKER_HEADER, WORKER_SOCKETS_ENV, socket_path
+from gateway.cluster.addressing import (
+    FORWARDED_HEADER,
+    SNAC_SOCKET_NAME,
+    WORKER_HEADER,
+    WORKER_SOCKETS_ENV,
+    socket_path,
+)
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.http import OFFER_PATH
 from tests.support import TEST_MAX_TOKENS, VllmServer, free_port, offer_sdp
