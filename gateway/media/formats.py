@@ -5,7 +5,7 @@ HTTP response can send audio while the utterance is still being generated: the c
 streamed WAV header (`wav_header`), and `StreamEncoder`. Every format puts audio out from the first 85 ms chunk on:
 the output is non-seekable (no header patched later), each packet is flushed at once, Opus is CELT-only in 40 ms Ogg
 pages, FLAC uses one SNAC frame per block (docs/decisions/streaming-audio-formats.md). Runs in the calling thread;
-imports only av and numpy (nothing from other gateway packages), so the HTTP edge, benchmarks and tests can use it.
+imports only av, numpy and `gateway.orpheus` (SNAC's SAMPLE_RATE), so the HTTP edge, benchmarks and tests can use it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import av
 import numpy as np
 import numpy.typing as npt
 
-SAMPLE_RATE = 24000  # what SNAC makes; the default input rate
+from gateway.orpheus import SAMPLE_RATE  # what SNAC makes; the default input rate
+
 FALLBACK_RATE = 48000  # every codec here takes 48 kHz: the target when a codec cannot take the input rate
 WAV_STREAMING_SIZE = 0xFFFFFFFF  # unknown length: players read a streamed WAV up to the end
 OGG_PAGE_US = 40_000  # Ogg page duration (µs): see the module docstring

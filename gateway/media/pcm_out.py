@@ -12,7 +12,8 @@ import av
 import numpy as np
 import numpy.typing as npt
 
-from gateway.media.formats import SAMPLE_RATE, check_pcm
+from gateway.media.formats import check_pcm
+from gateway.orpheus import SAMPLE_RATE
 
 # The rates a client may ask for (telephony, wideband, CD and studio families, and the gateway's own).
 PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)

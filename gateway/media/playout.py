@@ -44,6 +44,7 @@ import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from gateway.config import JITTER_BUFFER_MAX_MS
+from gateway.orpheus import SAMPLE_RATE
 
 __all__ = [
     "CHANNEL_LAYOUT",
@@ -78,7 +79,7 @@ FRAME_BYTES = FRAME_SAMPLES * PCM_DTYPE.itemsize  # 1920
 TIME_BASE = Fraction(1, SAMPLE_RATE_OUT)
 
 # --- Input: Orpheus/SNAC produces 24 kHz mono int16.
-SAMPLE_RATE_IN = 24000
+SAMPLE_RATE_IN = SAMPLE_RATE  # the input: SNAC's PCM (gateway.orpheus)
 
 # --- Jitter buffer bounds (ms of an utterance's audio queued before it starts): the configuration's.
 MIN_JITTER_BUFFER_MS = 0

@@ -18,8 +18,7 @@ import numpy.typing as npt
 
 from gateway.media.errors import InvalidRateError
 from gateway.media.formats import check_pcm
-
-SAMPLE_RATE = 24000  # what SNAC makes
+from gateway.orpheus import SAMPLE_RATE  # what SNAC makes
 
 # The bounds callers accept, kept here only: a lesson's playback rate, and the OpenAI speech API's `speed`.
 LESSON_RATE_RANGE: tuple[float, float] = (0.5, 1.5)
