@@ -23,6 +23,13 @@ def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _one_ffmpeg_thread() -> None:
+    """FFmpeg in its callers' threads, for a command that runs media (`gateway.media.avthreads`)."""
+    from gateway.media.avthreads import use_one_ffmpeg_thread
+
+    use_one_ffmpeg_thread()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
@@ -37,6 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from gateway.cluster.supervisor import run_supervisor
 
         return run_supervisor(config)
+    _one_ffmpeg_thread()
     app = create_app(config)
     state = app[GATEWAY_KEY]
     # The engine loads after the port is open (health answers at once); if it cannot start, stop: an
@@ -60,6 +68,7 @@ async def _synth(args: argparse.Namespace) -> int:
     # One text needs no warm-up ladder: its bursts cost minutes on a CPU and memory beside the KV cache.
     config = dataclasses.replace(config_mod.from_sources(args), warmup_batch_sizes=[])
     _configure_logging(config.log_level)
+    _one_ffmpeg_thread()
     synthesizer = await asyncio.to_thread(Synthesizer.load, config)
     await synthesizer.start()
     if not synthesizer.engine.ready:  # remote servers (--vllm-url) that do not answer yet
@@ -102,6 +111,7 @@ def run_make_test_model(argv: list[str]) -> int:
 def run_bench(argv: list[str]) -> int:
     from gateway.benchmarks.run import main as bench_main
 
+    _one_ffmpeg_thread()
     return bench_main(argv)
 
 

@@ -15,7 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from gateway.config import GatewayConfig
+from gateway.media.avthreads import use_one_ffmpeg_thread
 from tests.support import TEST_STOP_PROBABILITY, VllmServer, coturn_server, free_port, tiny_config  # noqa: F401
+
+use_one_ffmpeg_thread()  # the test process runs sessions, as a gateway process does after its start
 
 
 @pytest.fixture(scope="session")

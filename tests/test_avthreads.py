@@ -1,7 +1,7 @@
 """FFmpeg in the calling thread (`gateway.media.avthreads`): nothing of a session's media path (the WebRTC Opus
-encoder, playout resampling, time stretch, the HTTP encoders) starts threads of its own in a process that imported
-`gateway.media`. Found at 256 peers on an H200 host (16 cores): 29 threads per session in the workers
-(gateway.benchmarks.faults)."""
+encoder, playout resampling, time stretch, the HTTP encoders) starts threads of its own in a process that called
+`use_one_ffmpeg_thread` at its start, and importing `gateway.media` alone does not set it. Found at 256 peers on
+an H200 host (16 cores): 29 threads per session in the workers (gateway.benchmarks.faults)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import av
 import numpy as np
 import pytest
 
+from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.media.encoder import new_opus_encoder
 from gateway.media.formats import StreamEncoder
 from gateway.media.playout import CHANNEL_LAYOUT, FRAME_SAMPLES, SAMPLE_FORMAT, SAMPLE_RATE_OUT
@@ -60,7 +61,17 @@ def test_ffmpeg_would_start_thread_pools_without_the_setting() -> None:
     assert int(out.stdout) >= OBJECTS
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="FFmpeg starts no pools on one core: nothing to see")
+def test_importing_media_sets_nothing() -> None:
+    """The setting is a call at process start, not a side effect of importing `gateway.media`."""
+    script = "import gateway.media.encoder, gateway.media.playout, gateway.media.stretch\n" + COUNT_WITHOUT
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert int(out.stdout) >= OBJECTS
+
+
 def test_session_media_starts_no_threads() -> None:
+    assert use_one_ffmpeg_thread()  # what every gateway process does at its start (idempotent)
+
     def webrtc_opus() -> object:
         codec = new_opus_encoder(32000, 5)
         frame = av.AudioFrame.from_ndarray(speech(FRAME_SAMPLES).reshape(1, -1), format=SAMPLE_FORMAT,

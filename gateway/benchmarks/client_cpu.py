@@ -37,8 +37,11 @@ def _sender(conn: Connection, peers: int, seconds: float) -> None:
     """Answers `peers` offers (SDP over the pipe), then streams a tone to every peer until told to stop."""
     from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
+    from gateway.media.avthreads import use_one_ffmpeg_thread
     from gateway.media.encoder import OpusTrack
     from gateway.media.playout import PlayoutTrack
+
+    use_one_ffmpeg_thread()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -72,6 +75,9 @@ def _receiver(conn: Connection, receiver: str, peers: int, seconds: float) -> No
     from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
     from gateway.devtools.client import HeadlessPeer, frame_rms, set_receive_prefetch
+    from gateway.media.avthreads import use_one_ffmpeg_thread
+
+    use_one_ffmpeg_thread()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

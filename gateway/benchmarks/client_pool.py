@@ -24,6 +24,7 @@ from typing import Any
 from gateway.benchmarks import webrtc_level
 from gateway.benchmarks.records import PlannedRequest, RequestRecord
 from gateway.benchmarks.settings import BenchOptions
+from gateway.media.avthreads import use_one_ffmpeg_thread
 
 START_MARGIN_S = 0.05  # the start time lies this far ahead, so every process gets the message first
 CHILD_EXIT_TIMEOUT_S = 10.0
@@ -37,12 +38,18 @@ def spawn_children(target: Callable[[Connection], None], count: int, name: str
     procs: list[Any] = []
     for index in range(count):
         parent, child = context.Pipe()
-        proc = context.Process(target=target, args=(child,), name=f"{name}-{index}", daemon=True)
+        proc = context.Process(target=_child_start, args=(target, child), name=f"{name}-{index}", daemon=True)
         proc.start()
         child.close()
         conns.append(parent)
         procs.append(proc)
     return conns, procs
+
+
+def _child_start(target: Callable[[Connection], None], conn: Connection) -> None:
+    """A spawned client process: FFmpeg in its callers' threads, as in the gateway's processes, then `target`."""
+    use_one_ffmpeg_thread()
+    target(conn)
 
 
 def stop_children(conns: Sequence[Connection], procs: Sequence[Any]) -> None:

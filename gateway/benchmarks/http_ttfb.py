@@ -28,6 +28,7 @@ from aiohttp import web
 
 from gateway.config import from_sources
 from gateway.edge.app import create_app
+from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
 from gateway.speech.synthesizer import Synthesizer
@@ -110,6 +111,7 @@ def main() -> None:
     parser.add_argument("--formats", default="pcm,mp3,opus", help="comma-separated response_format values")
     parser.add_argument("--requests", type=int, default=10, help="counted requests per format")
     args = parser.parse_args()
+    use_one_ffmpeg_thread()  # the gateway is served in this process
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or args.requests < 1:

@@ -26,6 +26,7 @@ import psutil
 from aiortc.codecs.opus import OpusEncoder
 
 from gateway.benchmarks.records import MS
+from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.media.encoder import OpusTrack
 from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, PlayoutTrack
 
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bitrate", type=int, default=32000)
     parser.add_argument("--complexity", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench-results/opus-cpu.json"))
+    use_one_ffmpeg_thread()  # as in the gateway's processes
     args = parser.parse_args(argv)
 
     rows: list[dict[str, Any]] = []

@@ -78,6 +78,9 @@ def worker_main() -> int:
     validate(config)
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s w{os.environ[WORKER_INDEX_ENV]} %(name)s: %(message)s")
+    from gateway.media.avthreads import use_one_ffmpeg_thread
+
+    use_one_ffmpeg_thread()
     asyncio.run(serve_worker(config, int(os.environ[WORKER_INDEX_ENV]), os.environ[WORKER_SOCKETS_ENV]))
     return 0
 

@@ -5,10 +5,7 @@ Owns: playout, Opus encoding, the output format (48 kHz, mono, s16), and its exc
 May import: `gateway.config`, `gateway.orpheus`, av, numpy, aiortc's track types. Not `gateway.speech`: media
 takes PCM, whoever made it.
 
-FFmpeg runs in its callers' threads in every process that imports this package (`avthreads`: a thread pool per
-codec and graph measured 29 threads per session).
+Every process that runs media calls `avthreads.use_one_ffmpeg_thread()` at its start (the command line, a
+`serve --workers` worker, the benchmarks): FFmpeg then runs in its callers' threads instead of a pool per codec
+and graph. Importing this package changes nothing.
 """
-
-from gateway.media.avthreads import use_one_ffmpeg_thread
-
-use_one_ffmpeg_thread()

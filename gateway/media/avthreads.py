@@ -1,4 +1,6 @@
-"""FFmpeg in the calling thread: `use_one_ffmpeg_thread` makes the FFmpeg that PyAV loaded count one CPU.
+"""FFmpeg in the calling thread: `use_one_ffmpeg_thread` makes the FFmpeg that PyAV loaded count one CPU. Called
+once at the start of each process that runs media (`gateway.cli`, a `serve --workers` worker, the benchmarks), not
+on import.
 
 Why: FFmpeg gives each codec context and libavfilter graph a pool of one thread per CPU core when it opens
 (thread count 0 = auto), and PyAV adds graphs of its own: every `AudioResampler`, and one inside each audio
