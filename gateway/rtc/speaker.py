@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.media.playout import PlayoutTrack
 from gateway.rtc.services import SessionServices
@@ -19,8 +18,11 @@ from gateway.speech.synthesizer import UtteranceStats
 
 log = logging.getLogger(__name__)
 
-# fail(utterance, code, message, outcome, **extra): end an utterance with an error event naming it.
-FailUtterance = Callable[..., None]
+class FailUtterance(Protocol):
+    """Ends an utterance with an `error` event naming it (the session's `_fail`)."""
+
+    def __call__(self, utterance: Utterance, code: str, message: str, outcome: str = "failed",
+                 retry_after_s: float | None = None) -> None: ...
 
 
 class Speaker:
