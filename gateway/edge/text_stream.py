@@ -28,7 +28,8 @@ from gateway.edge.state import GatewayState
 from gateway.edge.word_times import TimedWord, WordClock
 from gateway.media.pcm_out import PcmOutput
 from gateway.rtc.utterance import Utterance
-from gateway.service.admission import CapacityError, Slot
+from gateway.service.admission import Slot
+from gateway.service.errors import CapacityError
 from gateway.speech.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats, check_text
 
 log = logging.getLogger(__name__)
