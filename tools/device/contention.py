@@ -34,7 +34,7 @@ class SnacLoad:
 
     def __init__(self, snac_dir: str) -> None:
         import torch
-        from gateway.benchmarks.device.windows_baseline import SnacModel
+        from windows_baseline import SnacModel  # tools/device/ is the script's own folder, first on sys.path
 
         self.torch = torch
         self.model = SnacModel.load(snac_dir, "cuda")

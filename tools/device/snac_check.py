@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gateway.benchmarks.device.windows_baseline import SnacModel
+from windows_baseline import SnacModel  # tools/device/ is the script's own folder, first on sys.path
 
 WINDOW_FRAMES = (2, 3, 4, 5, 6)  # every window length the old decoder used: context 1, lookahead 1, hop 1..4
 CHECK_BATCHES = (1, 5, 64, 200, 256)

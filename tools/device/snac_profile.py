@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gateway.benchmarks.device.windows_baseline import SnacModel
 from torch.profiler import ProfilerActivity, profile
+from windows_baseline import SnacModel  # tools/device/ is the script's own folder, first on sys.path
 
 from gateway.devtools.devmodels import build_test_snac
 from gateway.orpheus import SLOTS_PER_FRAME

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gateway.benchmarks.device.windows_baseline import SnacModel
+from windows_baseline import SnacModel  # tools/device/ is the script's own folder, first on sys.path
 
 from gateway.devtools.devmodels import build_test_snac
 from gateway.devtools.snac_reference import reference_decode
