@@ -330,6 +330,32 @@ def cli_env() -> dict[str, str]:
             "ORPHEUS_GATEWAY_DTYPE": "float32", "ORPHEUS_GATEWAY_MAX_TOKENS": "140"}
 
 
+# --- a real headless Chromium (the avatar page) -----------------------------------------------------------
+
+CHROMIUM = Path("/usr/bin/chromium")
+needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed at "
+                                    "/usr/bin/chromium (install.sh installs it; `apt-get install chromium`)")
+CHROMIUM_ARGS = [
+    "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+
+
+@contextlib.asynccontextmanager
+async def chromium() -> AsyncIterator[Any]:
+    """Debian's Chromium driven by playwright (its own browsers are not used), sound on."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
+                                                   ignore_default_args=["--mute-audio"])
+        try:
+            yield browser
+        finally:
+            await browser.close()
+
+
 SERVER_START_TIMEOUT_S = 300.0  # ~40-60 s on an idle 2-core CPU; more while other engine tests share the cores
 
 

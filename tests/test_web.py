@@ -25,28 +25,28 @@ from gateway.config import JITTER_BUFFER_MAX_MS, GatewayConfig
 from gateway.edge.app import create_app
 from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH
 from gateway.speech.synthesizer import Synthesizer
-from tests.support import TURN_SECRET, Coturn, assert_valid, needs_coturn, running, wait_for_coturn, wait_until
+from tests.support import (
+    TURN_SECRET,
+    Coturn,
+    assert_valid,
+    chromium,
+    needs_chromium,
+    needs_coturn,
+    running,
+    wait_for_coturn,
+    wait_until,
+)
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.browser,
-    # Checked before any fixture, so a machine without Chromium does not start the engine for nothing.
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed at /usr/bin/chromium "
-                       "(install.sh installs it; `apt-get install chromium`)"),
+    needs_chromium,  # checked before any fixture: a machine without Chromium does not start the engine for nothing
 ]
 
-playwright_api = pytest.importorskip("playwright.async_api")
-async_playwright = playwright_api.async_playwright
-PlaywrightTimeoutError = playwright_api.TimeoutError
+from playwright.async_api import TimeoutError as PlaywrightTimeoutError  # noqa: E402
 
-LAUNCH_ARGS = [
-    "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
-    "--use-fake-device-for-media-stream", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]
 READY_S = 30  # page loaded -> `ready` from the data channel
 SPEECH_S = 120  # the engine is slow on a 2-core CPU: a short phrase can take a minute to finish
 LONG_TEXT = " ".join(f"Sentence number {i} of a long lesson." for i in range(10))
@@ -59,6 +59,22 @@ INBOUND_AUDIO_JS = """async () => {
   }
   return null;
 }"""
+
+
+# How many lines the audio buffer's label takes: the distinct tops of the words of its name (the text before its
+# input).
+JITTER_LABEL_LINES_JS = """() => {
+  const label = document.getElementById('jitter').closest('label');
+  const walker = document.createTreeWalker(label, NodeFilter.SHOW_TEXT);
+  const tops = new Set();
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const range = document.createRange();
+    range.selectNodeContents(node);
+    for (const rect of range.getClientRects()) if (rect.width > 0) tops.add(Math.round(rect.top));
+  }
+  return tops.size;
+}"""
+MOUTH_AT_REST_JS = "window.__avatar.resting && window.__avatar.mouth === 0"
 
 
 # Each change of the page's state, recorded in the page as it happens (with the status line, the error box and the
@@ -87,11 +103,8 @@ def base_url(server: TestServer) -> str:
 
 @pytest.fixture(scope="module")
 async def browser() -> AsyncIterator[Any]:
-    async with async_playwright() as playwright:
-        chromium = await playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS,
-                                                    ignore_default_args=["--mute-audio"])
-        yield chromium
-        await chromium.close()
+    async with chromium() as launched:
+        yield launched
 
 
 async def open_page(browser: Any, base_url: str, width: int = 1100, height: int = 900) -> tuple[Any, list[str]]:
@@ -160,6 +173,10 @@ async def test_lesson_phrase_plays_moves_the_mouth_and_shows_stats(page: Any) ->
     await page.screenshot(path=str(ARTIFACTS / "web-page.png"), full_page=True)
     await page.wait_for_selector('#now[data-kind="done"]', timeout=SPEECH_S * 1000)
     assert await phrase.get_attribute("class") == "phrase", "the highlight ends with `done`"
+    await page.wait_for_function(MOUTH_AT_REST_JS, timeout=5000)  # once the end is heard, the mouth closes
+    await asyncio.sleep(0.3)
+    assert await page.evaluate("window.__avatar.mouth") == 0, "and stays closed after the utterance"
+    assert await page.evaluate(JITTER_LABEL_LINES_JS) == 1, "the audio buffer's label fits on one line"
     assert (await page.text_content("#stat-ttfa")).endswith(" ms")
     assert "(" in await page.text_content("#stat-underruns")
 
@@ -229,6 +246,7 @@ async def test_stop_cancels_a_long_text_and_disconnect_ends_the_session(page: An
     await page.click("#stop")
     await page.wait_for_selector('#now[data-kind="cancelled"]', timeout=10_000)
     assert await page.text_content("#now") == "Stopped."
+    await page.wait_for_function(MOUTH_AT_REST_JS, timeout=5000)
     assert "cancelled" in await page.text_content("#log")
     assert await page.is_hidden("#error")
 
@@ -359,6 +377,31 @@ async def test_reconnecting_stops_at_a_refusal_that_asking_again_cannot_change(p
     await reached(page, "disconnected")
     assert len(offers) == 1
     assert (await page.text_content("#error")).startswith("Could not reconnect. Access refused")
+
+
+async def test_a_first_offer_refused_at_capacity_is_asked_again_when_the_server_says(page: Any) -> None:
+    """A full gateway answers Connect's offer 503 `at_capacity` with Retry-After: the page says so, waits that long
+    and asks again by itself (the second offer here goes through), instead of leaving it to the student."""
+    await open_with(page, "reconnect_base_ms=100")
+    refused_at: list[float] = []
+
+    async def full_once(route: Any) -> None:
+        if refused_at:
+            await route.continue_()
+            return
+        refused_at.append(time.monotonic())
+        await route.fulfill(status=503, headers={"Retry-After": "1"},
+                            json={"error": {"code": "at_capacity", "message": "full for the test"}})
+
+    await page.route(f"**{OFFER_PATH}", full_once)
+    await page.evaluate(RECORD_STATES_JS)
+    await page.click("#connect")
+    waiting = await reached(page, "reconnecting")
+    assert "busy" in waiting["error"] and waiting["now"].startswith("Reconnecting in"), waiting
+    assert "(attempt 1 of 6)" in waiting["now"], waiting
+    ready = await reached(page, "ready", READY_S)
+    assert time.monotonic() - refused_at[0] >= 0.95, "not before the Retry-After"
+    assert ready["now"].startswith("Your tutor is ready") and not ready["error"], ready
 
 
 async def test_backoff_doubles_to_its_cap_with_jitter_and_never_undercuts_retry_after(page: Any) -> None:
@@ -495,6 +538,7 @@ async def test_phone_width_has_no_horizontal_scroll(browser: Any, base_url: str)
         await page.wait_for_selector("#caption .word.current", state="visible", timeout=SPEECH_S * 1000)
         scroll_width = await page.evaluate("document.documentElement.scrollWidth")
         assert scroll_width <= 375, f"the page is {scroll_width} px wide on a 375 px screen"
+        assert await page.evaluate(JITTER_LABEL_LINES_JS) == 1, "the audio buffer's label fits on one line"
         ARTIFACTS.mkdir(exist_ok=True)
         await page.screenshot(path=str(ARTIFACTS / "web-page-phone.png"), full_page=True)
     finally:

@@ -26,12 +26,13 @@ from gateway.cluster.addressing import (
     FORWARDED_HEADER,
     SNAC_SOCKET_NAME,
     WORKER_HEADER,
+    WORKER_INDEX_ENV,
     WORKER_SOCKETS_ENV,
     socket_path,
 )
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.http import OFFER_PATH
-from tests.support import TEST_MAX_TOKENS, VllmServer, free_port, offer_sdp
+from tests.support import TEST_MAX_TOKENS, VllmServer, chromium, free_port, needs_chromium, offer_sdp
 
 pytestmark = pytest.mark.engine
 
@@ -63,6 +64,12 @@ class Workers:
                 if child.status() != psutil.STATUS_ZOMBIE and module in " ".join(child.cmdline()):
                     pids.append(child.pid)
         return pids
+
+    def worker_pid(self, index: int) -> int:
+        """The live worker `index`."""
+        (pid,) = [pid for pid in self.worker_pids()
+                  if psutil.Process(pid).environ().get(WORKER_INDEX_ENV) == str(index)]
+        return pid
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -281,6 +288,40 @@ async def test_utterances_count_against_one_limit_across_workers(workers: Worker
                 break
             assert r.status == 503 and time.monotonic() < deadline, (r.status, await r.text())
         await asyncio.sleep(0.5)
+
+
+@pytest.mark.browser
+@needs_chromium
+async def test_the_page_reconnects_by_itself_when_its_worker_is_killed(workers: Workers) -> None:
+    """The avatar page in Chromium, its session's worker killed (SIGKILL closes nothing: the server just stops
+    answering): the page notices, says so, comes back by itself to a live worker and speaks again."""
+    pytest.importorskip("playwright.async_api")
+    speech_ms = 120_000  # a phrase on the shared 2-core CPU
+    try:
+        async with chromium() as browser:
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(f"{workers.url}/?reconnect_base_ms=300")
+            await page.fill("#jitter", "0")
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="ready"]', timeout=60_000)
+            await page.locator(".phrase").first.click()
+            await page.wait_for_selector('#now[data-kind="done"]', timeout=speech_ms)
+            lost_id = await page.evaluate("window.__app.connection.sessionId")
+            os.kill(workers.worker_pid(int(lost_id.split("-")[0].removeprefix("w"))), signal.SIGKILL)
+
+            await page.wait_for_selector('body[data-state="reconnecting"]', timeout=30_000)
+            assert "stopped answering" in await page.text_content("#error")
+            assert (await page.text_content("#now")).startswith("Reconnecting")
+            await page.wait_for_selector('body[data-state="ready"]', timeout=60_000)
+            assert (await page.text_content("#now")).startswith("Connected again")
+            assert await page.evaluate("window.__app.connection.sessionId") != lost_id
+            await page.locator(".phrase").nth(1).click()
+            await page.wait_for_selector('#now[data-kind="done"]', timeout=speech_ms)
+            assert not errors, f"uncaught errors in the page: {errors}"
+    finally:
+        await workers.wait_all_ready()  # the killed worker restarted, for the tests after this one
 
 
 async def test_a_killed_worker_is_restarted(workers: Workers) -> None:

@@ -134,7 +134,11 @@ async function openSession() {
   } catch (error) {
     if (connection !== conn) return; // the student pressed Disconnect meanwhile
     conn.close();
-    if (!reconnector.active) {
+    // Trying again by itself: while coming back from a loss, or when the server refused the first offer and said
+    // when to ask again (at capacity, still starting: Retry-After). A first offer that failed otherwise (no server
+    // there, a refusal about the request) is the student's to retry.
+    const serverSaidWhen = isRetryable(error) && error.retryAfterS != null;
+    if (!reconnector.active && !serverSaidWhen) {
       showError(connectErrorMessage(error));
       teardown();
     } else if (isRetryable(error)) {
@@ -307,6 +311,11 @@ function animateKaraoke() {
   karaokeFrame = null;
   if (!current) return;
   const rtp = rtpNow();
+  if (current.spoken.heardToEnd(rtp)) { // its `done` came and its end has been heard: the face comes to rest
+    stopKaraoke();
+    avatar.rest();
+    return;
+  }
   const word = current.spoken.wordAt(rtp);
   if (word !== current.word) {
     current.word = word;
@@ -345,12 +354,13 @@ function finish(id) {
 function onMessage(msg) {
   switch (msg.type) {
     case 'ready': {
-      const again = reconnector.active;
-      reconnector.reset(); // up again: a later loss starts from the first attempt
+      const again = lessonUp; // up before, lost, and back (not a first offer that had to wait its turn)
+      const waited = reconnector.active; // the error box still says why it had to try again
+      reconnector.reset(); // up: a later loss starts from the first attempt
       lessonUp = true;
       fillVoices(msg.voices, msg.voice);
       setState('ready');
-      if (again) clearError();
+      if (waited) clearError();
       setNow(again ? 'Connected again. Your tutor is ready: pick a phrase to hear it!'
         : 'Your tutor is ready. Pick a phrase to hear it!', 'ready');
       log(`${again ? 'Reconnected: tutor' : 'Tutor'} ready (voice ${msg.voice}, buffer ${msg.jitter_buffer_ms} ms).`);
@@ -366,6 +376,7 @@ function onMessage(msg) {
         entry.spoken.started(msg);
         showKaraoke(entry);
       }
+      avatar.speak();
       ui.ttfa.textContent = msg.ttfa_ms == null ? '–' : `${Math.round(msg.ttfa_ms)} ms`;
       setNow(`Speaking: “${shorten(entry?.text ?? '…', 80)}”`, 'speaking');
       log(`${msg.id} started after ${Math.round(msg.ttfa_ms ?? 0)} ms.`);
@@ -391,6 +402,7 @@ function onMessage(msg) {
     case 'done': {
       const entry = finish(msg.id);
       if (entry) {
+        entry.spoken.done(msg); // the karaoke (animateKaraoke) ends and the mouth rests once its end is heard
         reportPlayed(entry, msg.id, msg.audio_ms);
         if (entry.phrase && !entry.repeatOf) entry.phrase.lastId = msg.id; // now recorded on the server
       }
@@ -401,7 +413,10 @@ function onMessage(msg) {
     }
     case 'cancelled': {
       const entry = finish(msg.id);
-      if (entry && current?.spoken === entry.spoken) stopKaraoke();
+      if (entry && current?.spoken === entry.spoken) {
+        stopKaraoke();
+        avatar.rest(); // the rest of it will not come
+      }
       if (entry?.spoken.startedAt != null) reportPlayed(entry, msg.id, msg.played_ms);
       if (utterances.size === 0) setNow('Stopped.', 'cancelled');
       log(`${msg.id} cancelled${msg.heard_text ? ` after “${shorten(msg.heard_text)}”` : ''}.`);
@@ -412,6 +427,10 @@ function onMessage(msg) {
       break;
     case 'error': {
       const entry = msg.id ? finish(msg.id) : null;
+      if (entry && current?.spoken === entry.spoken) { // it failed while being heard: nothing more of it comes
+        stopKaraoke();
+        avatar.rest();
+      }
       if (entry?.repeatOf && msg.code === 'unknown_id') { // the server no longer has it: say it slowly instead
         entry.phrase.lastId = null;
         speak(entry.text, entry.button, { rate: entry.rate, phrase: entry.phrase });

@@ -1,6 +1,8 @@
 // The tutor's mouth: shaped by the viseme being heard when the server sent visemes (set `viseme` each frame),
 // else following the loudness of the incoming speech: an AnalyserNode on the remote stream, read once per
-// animation frame. The analyser is not connected to the speakers; the <audio> element plays.
+// animation frame. The analyser is not connected to the speakers; the <audio> element plays. Between utterances
+// (from `rest`, at an utterance's heard end or its cancel, until the next `speak`) the mouth closes and stays
+// closed, whatever the stream still carries.
 
 const QUIET_DB = -50; // at or below: mouth closed
 const LOUD_DB = -18; // at or above: mouth fully open
@@ -23,6 +25,7 @@ export class Avatar {
     this.width = 0; // current spread, -1 (rounded) .. 1
     this.maxMouth = 0; // largest openness seen (for tests and curiosity)
     this.viseme = null; // the viseme heard now (set by the page each frame), null: follow the loudness
+    this.resting = true; // no utterance being heard: the mouth closes and stays closed
     this.visemeFrames = 0; // frames drawn from a viseme (for tests)
     this.visemesShown = new Set(); // which visemes were drawn (for tests)
     this._analyser = null;
@@ -43,13 +46,24 @@ export class Avatar {
     this._frame = requestAnimationFrame(() => this._tick());
   }
 
+  /** An utterance is being heard: follow its visemes or loudness. */
+  speak() {
+    this.resting = false;
+  }
+
+  /** No utterance is being heard any more: close the mouth (over a few frames) and keep it closed. */
+  rest() {
+    this.resting = true;
+    this.viseme = null;
+  }
+
   detach() {
     cancelAnimationFrame(this._frame);
     this._source?.disconnect();
     this._source = this._analyser = null;
     this.mouth = 0;
     this.width = 0;
-    this.viseme = null;
+    this.rest();
     this._draw(0);
   }
 
@@ -64,7 +78,7 @@ export class Avatar {
 
   _tick() {
     if (!this._analyser) return;
-    const shape = this.viseme ? VISEME_SHAPES[this.viseme] : null;
+    const shape = this.viseme && !this.resting ? VISEME_SHAPES[this.viseme] : null;
     if (shape) {
       // The loudness still scales the shape a little, so a quiet syllable is not drawn wide open.
       const level = 0.6 + 0.4 * this._level();
@@ -73,7 +87,7 @@ export class Avatar {
       this.visemeFrames += 1;
       this.visemesShown.add(this.viseme);
     } else {
-      const target = this._level();
+      const target = this.resting ? 0 : this._level();
       this.mouth += (target - this.mouth) * (target > this.mouth ? ATTACK : RELEASE);
       this.width += (0 - this.width) * RELEASE;
     }

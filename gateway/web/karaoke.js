@@ -33,11 +33,21 @@ export class SpokenUtterance {
     this.segmentAt = new Map(); // sentence index -> performance.now() at its `segment` (the fallback clock)
     this.startRtp = null; // `started`: its first sample
     this.startedAt = null;
+    this.audioMs = null; // `done`: how long it is
   }
 
   started(msg) {
     this.startRtp = msg.rtp_timestamp ?? null;
     this.startedAt = performance.now();
+  }
+
+  done(msg) {
+    this.audioMs = msg.audio_ms;
+  }
+
+  /** Whether its `done` came and its last sample has been heard (at `rtp`, else at `local`). */
+  heardToEnd(rtp, local = performance.now()) {
+    return this.audioMs != null && this.playedMs(rtp, local) >= this.audioMs;
   }
 
   segment(msg) {
