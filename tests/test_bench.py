@@ -270,7 +270,7 @@ def test_snac_work_counts_what_each_decoder_moves(tmp_path: Path) -> None:
 def test_snac_profile_runs_and_sorts_kernels_into_kinds(tmp_path: Path) -> None:
     """tools/device/snac_profile.py: its CPU smoke run profiles both decoders, and CUDA kernel names (as an H200's
     profiles show them) land in the kinds that say what bounds a step."""
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench" / "device"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools" / "device"))
     try:
         import snac_profile
     finally:
@@ -362,7 +362,7 @@ def test_device_stage_folders_fit_a_call_and_join_back_to_the_same_files(tmp_pat
     import os
     import shutil
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench" / "device"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools" / "device"))
     try:
         import pack
     finally:
