@@ -40,6 +40,19 @@ CANCELLED = "cancelled"
 FAILED = "failed"
 
 
+# A piece that ends a sentence here: the next piece, if it starts without a space, starts a new sentence (clients that
+# send whole sentences, such as pipecat's, send none between them; token streams carry their own spaces).
+_SENTENCE_END = tuple(".!?…;:。！？")
+
+
+def joined(before: str, piece: str) -> str:
+    """`piece` as appended to `before`: with a space in front where `before` ends a sentence and `piece` starts a
+    word."""
+    if before.endswith(_SENTENCE_END) and piece[:1].isalnum():
+        return " " + piece
+    return piece
+
+
 class DoorError(Exception):
     """Bad input on a door (HTTP-less: it becomes the protocol's error message, the socket stays open)."""
 
@@ -124,7 +137,7 @@ class ContextSet:
         except InvalidRequestError as exc:
             self._end_now(context)
             raise DoorError(exc.code, str(exc)) from None
-        context.utterance.add_text(text, more)
+        context.utterance.add_text(joined(context.utterance.text, text), more)
 
     def cancel(self, context_id: str) -> None:
         context = self.contexts.get(context_id)
@@ -159,13 +172,25 @@ class ContextSet:
         context = StreamContext(context_id, options, utterance, slot, stats=UtteranceStats(started=time.monotonic()))
         self.contexts[context_id] = context
         context.task = asyncio.create_task(self._run(context), name=f"context-{context_id}")
+        # However the task ends, even cancelled before it ran: its slot and its id are given back.
+        context.task.add_done_callback(lambda _task: self._forget(context))
         return context
+
+    def _forget(self, context: StreamContext) -> None:
+        """The context holds nothing any more; one that never ran to its end message counts as cancelled."""
+        context.slot.release()
+        if self.contexts.get(context.id) is context:
+            del self.contexts[context.id]
+        if context.outcome is None:
+            context.outcome = CANCELLED
+            self.gateway.metrics.stream_contexts_total.labels(CANCELLED).inc()
 
     def _end_now(self, context: StreamContext) -> None:
         """Refused text: the context is given up (cancelled, its engine request aborted); the caller reports."""
         context.utterance.cancelled = True
         context.outcome = FAILED  # the error the caller sends is its end
         self.gateway.metrics.stream_contexts_total.labels(FAILED).inc()
+        self._forget(context)
         if context.task is not None:
             context.task.cancel()
 
@@ -187,14 +212,13 @@ class ContextSet:
             log.exception("context %s failed", context.id)
             outcome, code, message = FAILED, "internal_error", "the context could not be synthesised"
         finally:
-            context.slot.release()
-            self.contexts.pop(context.id, None)
             stats = context.stats
             if stats.first_audio_at is not None:
                 self.gateway.metrics.observe_synthesis(stats.tokens, stats.audio_s, stats.synthesis_s)
         if context.outcome is None:  # not already ended by a refused message
             context.outcome = outcome
             self.gateway.metrics.stream_contexts_total.labels(outcome).inc()
+            self._forget(context)  # before its end message: the client may reuse the id at once
             with contextlib.suppress(ConnectionError, RuntimeError):  # the socket is gone: nobody to tell
                 await self.send(self.events.ended(context, outcome, code, message))
 
