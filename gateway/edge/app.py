@@ -20,6 +20,7 @@ from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH, SUBJECT
 from gateway.edge.signalling import add_signalling_routes
 from gateway.edge.speech_api import SPEECH_PATH, speech
 from gateway.edge.state import GatewayState
+from gateway.edge.unparsed import answer_unparsed_requests_in_json
 from gateway.edge.whep import add_whep_routes
 from gateway.service.admission import StreamCounts
 from gateway.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -178,6 +179,7 @@ def create_app(config: GatewayConfig, synthesizer: Synthesizer | None = None, *,
         add_signalling_routes(app)
         add_whep_routes(app, config.whep_path)  # WHEP paths are not public: with auth on, they need a token
     app.on_response_prepare.append(add_cors_headers)
+    answer_unparsed_requests_in_json(app)  # a request aiohttp cannot read gets a JSON error too
     app.on_startup.append(gateway.startup)
     app.on_cleanup.append(gateway.cleanup)
     return app
