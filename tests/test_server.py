@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
 import wave
 from collections.abc import AsyncIterator
 
@@ -132,6 +134,30 @@ async def test_unknown_route_and_method_are_json(client: TestClient) -> None:
     resp = await client.get("/v1/audio/speech")
     assert resp.status == 405
     assert (await error_of(resp))["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /whep?voice=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: gateway\r\n\r\n",  # a request line over 8 KiB
+    b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nX-Padding: " + b"b" * 9000 + b"\r\n\r\n",  # a header over it
+], ids=["request_line", "header"])
+async def test_a_request_aiohttp_cannot_read_gets_a_json_error_and_no_traceback(
+        client: TestClient, caplog: pytest.LogCaptureFixture, head: bytes) -> None:
+    caplog.set_level(logging.INFO)
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert 400 <= int(status_line.split()[1]) < 500, status_line
+    assert b"content-type: application/json" in headers.lower(), headers
+    error = json.loads(body)["error"]
+    assert set(error) == {"code", "message"} and error["code"] == "line_too_long", error
+    assert "refused a request" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info], "logged in one line, without a traceback"
 
 
 async def test_metrics_exposes_speech_figures(client: TestClient) -> None:
