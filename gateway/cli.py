@@ -70,7 +70,11 @@ async def _synth(args: argparse.Namespace) -> int:
     _configure_logging(config.log_level)
     _one_ffmpeg_thread()
     synthesizer = await asyncio.to_thread(Synthesizer.load, config)
-    await synthesizer.start()
+    try:
+        await synthesizer.start()
+    except BaseException:  # failed or interrupted: what started here is stopped here, then the error is told
+        await synthesizer.close()
+        raise
     if not synthesizer.engine.ready:  # remote servers (--vllm-url) that do not answer yet
         try:
             await synthesizer.engine.wait_ready(SYNTH_READY_TIMEOUT_S)

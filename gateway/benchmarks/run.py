@@ -178,11 +178,11 @@ async def _run_cli(config: GatewayConfig, options: BenchOptions, argv: Sequence[
 
     started = time.monotonic()
     synth = await asyncio.to_thread(Synthesizer.load, config)
-    await synth.start()
-    print(f"[bench] engine ready after {time.monotonic() - started:.1f} s", file=sys.stderr)
-    if config.gc_freeze:
-        freeze_startup_objects()  # as `serve` does: no full-GC pauses across all streams
-    try:
+    try:  # the engine started here is shut down here, however the run ends
+        await synth.start()
+        print(f"[bench] engine ready after {time.monotonic() - started:.1f} s", file=sys.stderr)
+        if config.gc_freeze:
+            freeze_startup_objects()  # as `serve` does: no full-GC pauses across all streams
         return await run_scenarios(synth, config, options, argv)
     finally:
         await synth.close()

@@ -274,7 +274,11 @@ class OrpheusEngine(EngineBase):
         t0 = time.monotonic()
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
-        await self._warm_up(llm)
+        try:
+            await self._warm_up(llm)
+        except BaseException:  # failed or cancelled (a stop during start-up): the engine started here stops here
+            await _shut_down(llm)
+            raise
         return llm
 
     async def _warm_up(self, llm: Any) -> None:
@@ -303,7 +307,7 @@ class OrpheusEngine(EngineBase):
     async def _shutdown_llm(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
-            await asyncio.to_thread(llm.shutdown)
+            await _shut_down(llm)
 
     def unfinished_requests(self) -> int:
         """Requests the engine itself still tracks (0 once every aborted request is really gone)."""
@@ -382,6 +386,23 @@ class OrpheusEngine(EngineBase):
                 self.requests_aborted += 1
                 with contextlib.suppress(Exception):
                     await llm.abort(request_id)
+
+
+async def _shut_down(llm: Any) -> None:
+    """Stop an AsyncLLM's engine core and its background work, once.
+
+    `AsyncLLM.__del__` calls `shutdown` again whenever the object is collected, which may be during interpreter
+    teardown, when the module globals it calls are gone: a `TypeError` traceback at the exit of every command. So
+    after the real shutdown, the instance's `shutdown` is one that does nothing.
+    """
+    try:
+        await asyncio.to_thread(llm.shutdown)
+    finally:
+        llm.shutdown = _already_shut_down
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """An AsyncLLM's `shutdown` after its first (see `_shut_down`)."""
 
 
 def _safe_cmdline(proc: Any) -> list[str]:
