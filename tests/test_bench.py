@@ -572,3 +572,30 @@ def test_the_longest_decoder_tick_between_two_readings_comes_from_the_counts() -
     assert longest_tick_ms(after, list(stats.tick_ms)) is None  # no tick since
     stats.count_tick(3.0)
     assert longest_tick_ms(after, list(stats.tick_ms)) == TICK_MS_BUCKETS - 1  # 1 s or more
+
+
+def test_snac_roofline_counts_the_flops_torch_counts_for_a_full_decode(tmp_path: Path) -> None:
+    """gateway.benchmarks.snac_roofline (CPU smoke): its FLOPs per audio second, counted from the layers' shapes,
+    agree with torch's FLOP counter on `SNAC.decode` of the same model (within the transposed convolutions'
+    recomputed history), and every layer of the decoder gets a row with a time."""
+    from snac import SNAC
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gateway.benchmarks import snac_roofline
+    from gateway.devtools.devmodels import SNAC_24KHZ_CONFIG
+
+    out = tmp_path / "roofline.json"
+    assert snac_roofline.main(["--device", "cpu", "--batch", "2", "--reps", "1", "--dtype", "float32",
+                               "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    layers = result["layers"]
+    assert len(layers) == 2 + 4 * (2 + 2 + 3 * 5) + 3 and all(r["step_us"] > 0 for r in layers)
+    frames = 12
+    model = SNAC(**SNAC_24KHZ_CONFIG).eval()
+    codes = [torch.zeros(1, frames * n, dtype=torch.long) for n in (1, 2, 4)]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.decode(codes)
+    audio_s = frames * snac_roofline.SAMPLES_PER_FRAME / snac_roofline.SAMPLE_RATE
+    torch_gflop = counter.get_total_flops() / audio_s / 1e9
+    conv_gflop = sum(r["gflop_per_audio_s"] for r in layers if r["kind"].startswith("conv"))
+    assert torch_gflop <= conv_gflop <= 1.1 * torch_gflop, (conv_gflop, torch_gflop)
