@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.benchmarks.start_policies import BRIDGE_HELD
 from gateway.devtools.snac_reference import reference_decode
-from gateway.orpheus import SAMPLES_PER_FRAME, Frame
+from gateway.orpheus import SAMPLES_PER_FRAME, Frame, frames_to_layers
 from gateway.speech.first_audio import (
     BRIDGE_PACE_FACTOR,
     EXACT_START_MARGIN_S,
@@ -147,6 +148,39 @@ def decode_alone(decoder: StreamingSnac, frames: list[Frame], seed: int, burst: 
     pieces += decoder.drain([h], as_float=True)
     decoder.close(h)
     return np.concatenate(pieces)
+
+
+def noise_free_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The same `snac.SNAC` weights built as `SNAC(noise=False)`: upstream's own decoder with its noise blocks off."""
+    from snac import SNAC
+    from snac.layers import NoiseBlock
+
+    config = {name: getattr(model, name) for name in ("sampling_rate", "encoder_dim", "encoder_rates", "decoder_dim",
+                                                      "decoder_rates", "attn_window_size", "codebook_size",
+                                                      "codebook_dim", "vq_strides")}
+    quiet = SNAC(**config, latent_dim=model.latent_dim, noise=False)
+    # Without its noise blocks each decoder block's layers are numbered one lower after them: the same weights, in
+    # the same order, under other names.
+    noise_blocks = [name for name, m in model.named_modules() if isinstance(m, NoiseBlock)]
+    weights = [v for k, v in model.state_dict().items() if not any(k.startswith(b + ".") for b in noise_blocks)]
+    names = list(quiet.state_dict())
+    assert noise_blocks and len(weights) == len(names)
+    quiet.load_state_dict(dict(zip(names, weights, strict=True)))
+    return quiet.eval()
+
+
+@pytest.mark.parametrize("n", [1, 7, 16])
+def test_exact_against_plain_upstream_decode_with_noise_off(snac_model: torch.nn.Module, n: int) -> None:
+    """No noise of ours anywhere: the streamed audio of a noise-free SNAC equals plain upstream `SNAC.decode` of the
+    same codes (not only the position-tied reference)."""
+    quiet = noise_free_copy(snac_model)
+    frames = make_frames(n, seed=40 + n)
+    layers = frames_to_layers(frames)
+    with torch.inference_mode():
+        plain = quiet.decode([torch.tensor([layer], dtype=torch.int64) for layer in layers])[0, 0].numpy()
+    streamed = decode_alone(StreamingSnac(quiet, "cpu", "float32", max_streams=1), frames, seed=1, burst=2)
+    assert streamed.shape == plain.shape == (n * SAMPLES_PER_FRAME,)
+    assert np.abs(streamed - plain).max() < EXACT
 
 
 # --- the receptive field -------------------------------------------------------------------------------------
@@ -713,7 +747,7 @@ async def test_a_listener_without_a_buffer_starts_after_the_wait_and_a_buffered_
     one whose listener plays what comes (0 ms) gets its first audio only once the hand-over's cost has passed after
     its head was in; the one whose listener buffers 1 s gets it at once, so first. Both come out whole."""
     starts: list[tuple[bool, float, float | None]] = []  # the metrics hook's reports
-    stream_decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2), start="bridge-held",
+    stream_decoder = StreamDecoder(StreamingSnac(snac_model, "cpu", "float32", max_streams=2), start=BRIDGE_HELD,
                                    on_first_audio=lambda *start: starts.append(start))
     try:
         await _held_and_buffered_starts(stream_decoder)
