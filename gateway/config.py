@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import types
@@ -17,6 +18,9 @@ import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
+
+from gateway.model_table import ModelTable, ModelTableError, build_table, espeak_language, parse_model_flag
+from gateway.orpheus import language_for_voice
 
 ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
@@ -53,7 +57,14 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class GatewayConfig:
     # --- model and engine -------------------------------------------------------------------------
-    model: str = _opt("canopylabs/orpheus-3b-0.1-ft", "Orpheus checkpoint: HF id or local path.")
+    model: str = _opt("canopylabs/orpheus-3b-0.1-ft", "Orpheus checkpoint: HF id or local path; or, repeatable, "
+                      "NAME=PATH_OR_HF_ID: one entry of the table of models served at once (one engine each; "
+                      "per-model details in --models-file).", repeatable="model_entries")
+    model_entries: list[str] = _opt([], "The NAME=PATH entries of --model (set through --model).", internal=True)  # noqa: RUF009
+    models_file: str | None = _opt(None, "TOML or JSON file of the models served at once: [models.NAME] with path, "
+                                   "voices, languages (BCP-47), default_voice, gpu_memory_utilization, "
+                                   "kv_cache_memory_gib, temperature, top_p, repetition_penalty, vllm_urls, "
+                                   "vllm_model (docs/deployment.md).")
     tokenizer: str | None = _opt(None, "Tokenizer (HF id or path); default: the model's own.")
     snac_model: str = _opt("hubertsiuzdak/snac_24khz", "SNAC 24 kHz codec: HF id or local path.")
     voices: list[str] = _opt([], "Voices offered (repeatable); default: the checkpoint's known voices.")  # noqa: RUF009
@@ -195,15 +206,44 @@ class GatewayConfig:
     gc_freeze: bool = _opt(True, "Freeze start-up objects out of the GC and collect young objects only.")
     log_level: str = _opt("info", "Logging level.")
 
+    @functools.cached_property
+    def model_table(self) -> ModelTable:
+        """The models served (`gateway.model_table`): the --model entries and --models-file, or the one --model."""
+        return build_table(self.model_entries, self.models_file, self.model, self.voices)
+
     @property
     def voice_list(self) -> list[str]:
-        from gateway.orpheus import voices_for_model
-
-        return self.voices or voices_for_model(self.model)
+        return self.model_table.voices
 
     @property
     def voice(self) -> str:
-        return self.default_voice or self.voice_list[0]
+        return self.default_voice or next(iter(self.model_table.models.values())).default_voice
+
+    def for_model(self, name: str) -> GatewayConfig:
+        """This configuration as one model's engine sees it: its weights, voices, servers, and its own sampling
+        and memory share where the table sets them. Several models in one process split gpu_memory_utilization
+        evenly where the table sets no share (vLLM counts each engine's share of the whole GPU)."""
+        table = self.model_table
+        spec = table.models[name]
+        share = spec.gpu_memory_utilization
+        if share is None and table.several:
+            share = self.gpu_memory_utilization / len(table.models)
+        return dataclasses.replace(
+            self, model=spec.path, model_entries=[], models_file=None, voices=list(spec.voices),
+            default_voice=spec.default_voice, voice_alias=[],
+            gpu_memory_utilization=share or self.gpu_memory_utilization,
+            kv_cache_memory_gib=spec.kv_cache_memory_gib or self.kv_cache_memory_gib,
+            temperature=self.temperature if spec.temperature is None else spec.temperature,
+            top_p=self.top_p if spec.top_p is None else spec.top_p,
+            repetition_penalty=self.repetition_penalty if spec.repetition_penalty is None else spec.repetition_penalty,
+            vllm_urls=spec.vllm_urls or self.vllm_urls, vllm_model=spec.vllm_model or self.vllm_model)
+
+    def language_of(self, voice: str) -> str:
+        """The espeak-ng language of a voice's word timings and visemes: --language, else its model's."""
+        if self.language:
+            return self.language
+        tag = self.model_table.language_of(voice)
+        return language_for_voice(voice) if tag is None else espeak_language(tag)
 
     @property
     def voice_aliases(self) -> dict[str, str]:
@@ -246,7 +286,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per config field; defaults are left None so env and dataclass defaults can apply."""
     hints = typing.get_type_hints(GatewayConfig)
     for f in dataclasses.fields(GatewayConfig):
+        if f.metadata.get("internal"):
+            continue
         tp, is_list = _base_type(hints[f.name])
+        is_list = is_list or "repeatable" in f.metadata
         flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         env = ENV_PREFIX + f.name.upper()
@@ -270,7 +313,10 @@ def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | N
     hints = typing.get_type_hints(GatewayConfig)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(GatewayConfig):
+        if f.metadata.get("internal"):
+            continue
         tp, is_list = _base_type(hints[f.name])
+        is_list = is_list or "repeatable" in f.metadata
         raw = env.get(ENV_PREFIX + f.name.upper())
         if raw is not None:
             try:
@@ -285,11 +331,25 @@ def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | N
             values[f.name] = cli
     values.update(overrides)
     for f in dataclasses.fields(GatewayConfig):
+        if "repeatable" in f.metadata and isinstance(values.get(f.name), list):
+            values[f.name], values[f.metadata["repeatable"]] = _split_entries(values[f.name])
+    for f in dataclasses.fields(GatewayConfig):
         if typing.get_origin(hints[f.name]) is tuple and values.get(f.name) is not None:
             values[f.name] = tuple(values[f.name])  # flags and env give lists; tuple fields stay hashable, immutable
     config = GatewayConfig(**values)
     validate(config)
     return config
+
+
+def _split_entries(items: list[str]) -> tuple[str, list[str]]:
+    """--model's values: one plain PATH (today's one model, no entries), or NAME=PATH entries (the first entry's
+    path is `model`: its tokenizer, the default voice's model)."""
+    if len(items) == 1 and "=" not in items[0]:
+        return items[0], []
+    try:
+        return parse_model_flag(items[0])[1], items
+    except ModelTableError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def validate(config: GatewayConfig) -> None:
@@ -351,6 +411,7 @@ def validate(config: GatewayConfig) -> None:
             normalize_origin(origin)
         except ValueError as exc:
             raise ConfigError(f"allowed_origin: {exc}") from None
+    _validate_models(config)
     if config.default_voice is not None and config.default_voice not in config.voice_list:
         raise ConfigError(f"default_voice {config.default_voice!r} is not among the voices {config.voice_list}")
     for item in config.voice_alias:
@@ -362,6 +423,30 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"voice_alias {item!r}: {voice!r} is not among the voices {config.voice_list}")
         if name in config.voice_list:
             raise ConfigError(f"voice_alias {item!r}: {name!r} is a voice itself")
+
+
+def _validate_models(config: GatewayConfig) -> None:
+    """The table of models builds (names, voices unique, languages, shares), and its settings fit the layout."""
+    try:
+        table = config.model_table
+    except ModelTableError as exc:
+        raise ConfigError(str(exc)) from None
+    if not table.several:
+        return
+    if config.voices:
+        raise ConfigError("voices: with several models, each model's voices are set in --models-file")
+    shares = [spec.gpu_memory_utilization for spec in table.models.values() if spec.gpu_memory_utilization]
+    if sum(shares) > 1:
+        raise ConfigError(f"models: the gpu_memory_utilization shares add up to {sum(shares):g}, more than 1")
+    for spec in table.models.values():
+        for url in spec.vllm_urls:
+            if not _is_base_url(url):
+                raise ConfigError(f"model {spec.name!r}: vllm_urls: {url!r} is not an http(s) base URL")
+    remote = [bool(spec.vllm_urls) for spec in table.models.values()]
+    if config.vllm_urls and any(remote):
+        raise ConfigError("vllm_urls: with several models, list each model's servers in --models-file")
+    if any(remote) and not all(remote):
+        raise ConfigError("models: either every model lists its vllm_urls (remote servers) or none does")
 
 
 def _validate_ice(config: GatewayConfig) -> None:

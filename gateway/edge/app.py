@@ -124,16 +124,23 @@ async def readyz(request: web.Request) -> web.Response:
     if gateway.failure is not None:
         return web.json_response({"status": "failed", "reason": gateway.failure}, status=503)
     synthesizer = gateway.synthesizer
-    state = "loading" if synthesizer is None else (
-        synthesizer.engine.state.value if not synthesizer.engine.ready else "waiting_for_snac")
-    return web.json_response({"status": state}, status=503)
+    if synthesizer is None:
+        return web.json_response({"status": "loading"}, status=503)
+    waiting = synthesizer.not_ready_engines()
+    state = next(iter(waiting.values())) if waiting else "waiting_for_snac"
+    body: dict[str, object] = {"status": state}
+    if synthesizer.table.several:
+        body["models"] = {name: engine.state.value for name, engine in synthesizer.engines.items()}
+    return web.json_response(body, status=503)
 
 
 @routes.get("/v1/voices")
 async def voices(request: web.Request) -> web.Response:
     config = request.app[GATEWAY_KEY].config
+    table = config.model_table
     return web.json_response({"voices": config.voice_list, "default": config.voice,
-                              "aliases": config.voice_aliases})
+                              "aliases": config.voice_aliases, "models": table.listing(),
+                              "languages": table.languages})
 
 
 @routes.get("/metrics")

@@ -29,7 +29,7 @@ from gateway.rtc.ice import client_id, ice_servers, uses_turn_secret
 from gateway.rtc.session import Session
 from gateway.service.errors import CapacityError
 from gateway.speech.errors import InvalidRequestError
-from gateway.speech.synthesizer import resolve_voice
+from gateway.speech.synthesizer import choose_voice
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ async def open_session(gateway: GatewayState, fields: dict[str, Any], *, strict:
                           "the offer must receive audio and open a data channel (m=audio and m=application)")
     jitter = config.jitter_buffer_ms if message.jitter_buffer_ms is None else message.jitter_buffer_ms
     try:
-        voice = resolve_voice(config.voice_list, config.voice, message.voice)
+        voice = choose_voice(config, message.voice, message.language)
     except InvalidRequestError as exc:
         return json_error(400, exc.code, str(exc))
     try:

@@ -38,7 +38,7 @@ from gateway.media.stretch import SPEECH_SPEED_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, build_prompt, split_sentences
 from gateway.service.errors import CapacityError
 from gateway.speech.errors import ENGINE_RETRY_AFTER_S, EngineDeadError, EngineUnavailableError, InvalidRequestError
-from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats
+from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, voiced_sentences
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,19 @@ def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> Spee
         text = synthesizer.check_text(body["input"])
     except InvalidRequestError as exc:
         raise SpeechRequestError(exc.code, str(exc), "input") from None
+    language = body.get("language")
+    if language is not None and (not isinstance(language, str) or not language):
+        raise SpeechRequestError("invalid_language", "language must be a BCP-47 tag such as en-US or pt-BR",
+                                 "language")
     try:
-        voice = synthesizer.resolve_voice(voice)
+        voice = synthesizer.resolve_voice(voice, language)
     except InvalidRequestError as exc:
-        raise SpeechRequestError(exc.code, str(exc), "voice") from None
+        raise SpeechRequestError(exc.code, str(exc), "language" if exc.code == "unknown_language" else "voice"
+                                 ) from None
+    try:
+        voiced_sentences(synthesizer.config, text, voice)  # mixed-language markup: checked before any audio
+    except InvalidRequestError as exc:
+        raise SpeechRequestError(exc.code, str(exc), "input") from None
     return SpeechRequest(text, voice, fmt, stream_format == "sse", speed, seed, word_timestamps)
 
 

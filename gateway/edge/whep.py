@@ -7,10 +7,10 @@ of the session, an `ETag` and one `Link: <url>; rel="ice-server"` per STUN/TURN 
 or ICE restarts), and `OPTIONS`/`GET`/`HEAD` as the draft asks. The endpoint path is `GatewayConfig.whep_path`.
 
 The sessions are the JSON offer route's (`signalling.open_session`, `SessionManager.open`): the same admission (503
-+ `Retry-After` at capacity), the same checks of `?voice=` and `?jitter_buffer_ms=` (query parameters here), the
-same `control` data channel when the offer opens one. A player that offers audio only (most do) gets a session that
-waits for no data channel. Access is the app's middleware: with auth on, every WHEP request but a CORS preflight
-needs `Authorization: Bearer <token>` (the draft's bearer tokens); errors are the gateway's JSON errors.
++ `Retry-After` at capacity), the same checks of `?voice=`, `?language=` and `?jitter_buffer_ms=` (query parameters
+here), the same `control` data channel when the offer opens one. A player that offers audio only (most do) gets a
+session that waits for no data channel. Access is the app's middleware: with auth on, every WHEP request but a CORS
+preflight needs `Authorization: Bearer <token>` (the draft's bearer tokens); errors are the gateway's JSON errors.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SDP_TYPE = "application/sdp"
 TRICKLE_TYPE = "application/trickle-ice-sdpfrag"
-QUERY_FIELDS = ("voice", "jitter_buffer_ms")  # the offer's settings, as query parameters
+QUERY_FIELDS = ("voice", "language", "jitter_buffer_ms")  # the offer's settings, as query parameters
 WHEP_PATH_KEY: web.AppKey[str] = web.AppKey("whep_path", str)
 
 
@@ -58,7 +58,7 @@ def entity_tag(session_id: str, answer_sdp: str) -> str:
 
 
 async def create_session(request: web.Request) -> web.Response:
-    """`POST {whep_path}?voice=&jitter_buffer_ms=`: an SDP offer in, `201 Created` with the SDP answer out."""
+    """`POST {whep_path}?voice=&language=&jitter_buffer_ms=`: an SDP offer in, `201 Created` with the SDP answer out."""
     gateway = request.app[GATEWAY_KEY]
     if request.content_type != SDP_TYPE:
         return json_error(415, "unsupported_media_type", f"a WHEP offer is Content-Type: {SDP_TYPE}",

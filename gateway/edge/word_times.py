@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.config import GatewayConfig
-from gateway.orpheus import SAMPLE_RATE, language_for_voice
+from gateway.orpheus import SAMPLE_RATE
 from gateway.rtc.timings import timing_service
 from gateway.speech.synthesizer import AudioChunk
 
@@ -32,7 +32,7 @@ class WordClock:
 
     def __init__(self, config: GatewayConfig, voice: str, rate: float = 1.0) -> None:
         self.timings = timing_service(config.aligner_model)
-        self.language = config.language or language_for_voice(voice)
+        self.language = config.language_of(voice)
         self.rate = rate
         self.samples = 0  # 24 kHz samples of the stream so far (as made, before any rate change)
         self._sentence_start = 0

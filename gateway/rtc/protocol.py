@@ -33,7 +33,11 @@ SCHEMA_ID = "https://orpheus-gateway.dev/protocol.schema.json"
 
 UtteranceId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS,
                                           description="Names an utterance within its session.")]
-VoiceName = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+VoiceName = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS, description="A served voice, or `model/voice`.")]
+LanguageTag = Annotated[str, msgspec.Meta(
+    min_length=2, max_length=35, pattern=r"^[A-Za-z]{2,8}(-[A-Za-z0-9]{1,8})*$",
+    description="BCP-47 language (en-US, pt-BR): spoken by a model serving it, with that model's default voice "
+                "unless `voice` names one of its voices.")]
 JitterBufferMs = Annotated[int, msgspec.Meta(ge=0, le=JITTER_BUFFER_MAX_MS,
                                              description="Audio queued before an utterance starts playing.")]
 PingToken = int | float | str | None
@@ -56,6 +60,7 @@ class Offer(msgspec.Struct, kw_only=True):
     sdp: Annotated[str, msgspec.Meta(min_length=1)]
     type: Literal["offer"]
     voice: VoiceName | None = None
+    language: LanguageTag | None = None  # the session's default voice: this language's (`voice` wins)
     jitter_buffer_ms: JitterBufferMs | None = None
 
 
@@ -76,6 +81,7 @@ class Speak(msgspec.Struct, tag_field="type", tag="speak", kw_only=True, omit_de
     id: UtteranceId
     text: str
     voice: VoiceName | None = None
+    language: LanguageTag | None = None
     interrupt: bool = False  # cancel what is playing and queued first (barge-in)
     more: bool = False
     rate: PlaybackRate = 1.0  # set by the first piece; later pieces' rate is ignored

@@ -39,6 +39,7 @@ class Sentence:
     word_count: int
     pcm: np.ndarray | None = None
     timings: SentenceTimings | None = None
+    language: str | None = None  # espeak-ng: a mixed-language span's own; None: its utterance's
 
     @property
     def audio_ms(self) -> float:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from aiortc import RTCDataChannel, RTCPeerConnection
 
@@ -31,7 +32,8 @@ from gateway.rtc.timeline import UtteranceTimelines
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot, TokenBucket
 from gateway.speech.errors import EngineUnavailableError, InvalidRequestError
-from gateway.speech.synthesizer import check_text, resolve_voice
+from gateway.speech.language_spans import has_markup, parse_spans
+from gateway.speech.synthesizer import check_text, choose_voice, span_voices
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ RATE_LIMITED = "rate_limited"
 RATE_ERROR_INTERVAL_S = 1.0  # other than a refused speak (always answered), one rate_limited error per second
 WATCH_CHECKS_PER_TIMEOUT = 4  # a timeout is noticed within 1/4 of its length
 CLOSE_FLUSH_TIMEOUT_S = 1.0  # how long a closing session waits for its last events (why it closes) to leave
+MARKUP_WHOLE_TEXT = "mixed-language <lang> markup needs the utterance's whole text in one speak (more false)"
+_R = TypeVar("_R")
 MAX_ABANDONED_IDS = 256  # ids of utterances ended while their text was still arriving (later pieces are ignored)
 
 
@@ -171,16 +175,25 @@ class Session:
                 raise ProtocolError("duplicate_id", f"utterance {utterance_id!r} already exists", utterance_id)
             _checked(check_text, message.text, limit, so_far=existing.text_chars, allow_empty=True,
                      utterance_id=utterance_id)
+            if has_markup(message.text):
+                raise ProtocolError("invalid_markup", MARKUP_WHOLE_TEXT, utterance_id)
             existing.add_text(message.text, message.more)  # a further piece of text still being written
             return
 
-        voice = _checked(resolve_voice, self.config.voice_list, self.voice, message.voice,
-                         utterance_id=utterance_id)
+        voice = self.voice if not (message.voice or message.language) else \
+            _checked(choose_voice, self.config, message.voice, message.language, utterance_id=utterance_id)
         _checked(check_text, message.text, limit, allow_empty=message.more, utterance_id=utterance_id)
         rate = self.timelines.check_rate(message.rate, utterance_id)
         utterance = Utterance(utterance_id, voice, time.monotonic(), SentenceSplitter(self.config.max_sentence_chars),
                               rate=rate)
-        utterance.add_text(message.text, message.more)
+        if has_markup(message.text):  # mixed languages: each span by a voice of its language
+            if message.more:
+                raise ProtocolError("invalid_markup", MARKUP_WHOLE_TEXT, utterance_id)
+            spans = _checked(parse_spans, message.text, utterance_id=utterance_id)
+            voices = _checked(span_voices, self.config, spans, voice, utterance_id=utterance_id)
+            utterance.add_spans(message.text, list(zip(spans, voices, strict=True)), self.config.max_sentence_chars)
+        else:
+            utterance.add_text(message.text, message.more)
         self._admit(utterance, message.interrupt)
 
     def repeat(self, message: Repeat) -> None:
@@ -314,7 +327,7 @@ class Session:
                 self._on_closed(self)
 
 
-def _checked(rule: Callable[..., str], *args: object, utterance_id: str, **kwargs: object) -> str:
+def _checked(rule: Callable[..., _R], *args: object, utterance_id: str | None, **kwargs: object) -> _R:
     """A speech rule's verdict as a protocol error naming the utterance."""
     try:
         return rule(*args, **kwargs)

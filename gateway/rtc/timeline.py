@@ -34,7 +34,7 @@ from aiortc import RTCPeerConnection
 from gateway.media.errors import InvalidRateError
 from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, Marker, PlayoutTrack
 from gateway.media.stretch import LESSON_RATE_RANGE, TimeStretcher, check_rate
-from gateway.orpheus import SAMPLE_RATE, SentenceSplitter, language_for_voice
+from gateway.orpheus import SAMPLE_RATE, SentenceSplitter
 from gateway.rtc import protocol
 from gateway.rtc.errors import ProtocolError
 from gateway.rtc.protocol import Played, Repeat
@@ -116,7 +116,7 @@ class UtteranceTimelines:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def language(self, voice: str) -> str:
-        return self.config.language or language_for_voice(voice)
+        return self.config.language_of(voice)
 
     # --- messages -------------------------------------------------------------------------------------------
     @staticmethod
@@ -177,7 +177,7 @@ class UtteranceTimelines:
         assert sentence.pcm is not None
         text = timeline.utterance.text[sentence.char_start:sentence.char_end]
         try:
-            timings = await self.timings.sentence(text, sentence.pcm, timeline.language)
+            timings = await self.timings.sentence(text, sentence.pcm, sentence.language or timeline.language)
         except Exception:  # a bug here costs this sentence's timings, made again on the spot when they are due
             log.exception("word timings failed for %r", text)
             return
@@ -254,7 +254,7 @@ class UtteranceTimelines:
         """The sentence's timings, estimated here and now if they are not made yet (its audio is complete)."""
         if sentence.timings is None:
             assert sentence.pcm is not None
-            raw = estimate(text[sentence.char_start:sentence.char_end], sentence.pcm, language)
+            raw = estimate(text[sentence.char_start:sentence.char_end], sentence.pcm, sentence.language or language)
             self._set_timings(sentence, _shifted(raw, sentence.char_start))
         assert sentence.timings is not None
         return sentence.timings
@@ -335,7 +335,8 @@ class UtteranceFeed:
         if recorded is None:
             start, end = utterance.spans[index] if index < len(utterance.spans) else (0, 0)
             count = len(split_words(utterance.text[start:end]))
-            recorded = Sentence(index, text, start, end, self._words, count)
+            recorded = Sentence(index, text, start, end, self._words, count,
+                                language=utterance.languages[index] if index < len(utterance.languages) else None)
             self._words += count
         state = SentenceState(recorded, self.in_samples, round(self.in_samples / self.timeline.rate))
         self.timeline.sentences.append(state)

@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gateway.orpheus import SentenceSplitter
-from gateway.speech.synthesizer import UtteranceStats
+from gateway.model_table import espeak_language
+from gateway.orpheus import SentenceSplitter, split_sentences
+from gateway.speech.language_spans import LanguageSpan
+from gateway.speech.synthesizer import UtteranceStats, VoicedSentence
 
 if TYPE_CHECKING:
     from gateway.rtc.replay import Sentence
@@ -33,7 +35,7 @@ class Utterance:
     voice: str
     received_at: float  # the speak message, for time to first audio
     splitter: SentenceSplitter = field(default_factory=SentenceSplitter)
-    sentences: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
+    sentences: asyncio.Queue[str | VoicedSentence | None] = field(default_factory=asyncio.Queue)
     text_chars: int = 0
     closed: bool = False  # all its text has arrived
     cancelled: bool = False
@@ -41,6 +43,8 @@ class Utterance:
     rate: float = 1.0  # playback rate (pitch kept)
     text: str = ""
     spans: list[tuple[int, int]] = field(default_factory=list)
+    # Mixed-language text (`add_spans`): sentence k's espeak-ng language where its span names one, else None.
+    languages: list[str | None] = field(default_factory=list)
     replay: ReplayPlan | None = None  # set for a repeat: played from a recording, no engine request
     _cursor: int = 0  # where the next sentence's search starts in `text`
 
@@ -55,13 +59,32 @@ class Utterance:
             self.sentences.put_nowait(None)
             self.closed = True
 
-    def _put(self, sentence: str) -> None:
-        start, end = locate(self.text, sentence, self._cursor)
+    def add_spans(self, text: str, spans: list[tuple[LanguageSpan, str]], max_sentence_chars: int) -> None:
+        """The whole text of a mixed-language utterance: each span's sentences by the span's voice (a sentence of
+        another voice than the utterance's goes out as a `VoicedSentence`), located in the text as sent."""
+        self.text_chars += len(text)
+        self.text += text
+        for span, voice in spans:
+            self._cursor = max(self._cursor, span.start)
+            language = None if span.language is None else espeak_language(span.language)
+            for sentence in split_sentences(text[span.start:span.end], max_sentence_chars):
+                self._put(sentence if voice == self.voice else VoicedSentence(sentence, voice), language)
+        self.sentences.put_nowait(None)
+        self.closed = True
+
+    @property
+    def mixed(self) -> bool:
+        return any(language is not None for language in self.languages)
+
+    def _put(self, sentence: str | VoicedSentence, language: str | None = None) -> None:
+        text = sentence.text if isinstance(sentence, VoicedSentence) else sentence
+        start, end = locate(self.text, text, self._cursor)
         self._cursor = end
         self.spans.append((start, end))
+        self.languages.append(language)
         self.sentences.put_nowait(sentence)
 
-    async def sentence_stream(self) -> AsyncIterator[str]:
+    async def sentence_stream(self) -> AsyncIterator[str | VoicedSentence]:
         while (sentence := await self.sentences.get()) is not None:
             yield sentence
 

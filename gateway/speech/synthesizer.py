@@ -16,13 +16,14 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from gateway.config import GatewayConfig
+from gateway.model_table import ModelTableError
 from gateway.orpheus import (
     SAMPLE_RATE,
     SLOTS_PER_FRAME,
@@ -38,11 +39,13 @@ from gateway.speech.decoder import Decoder, DecoderSettings, load_stream_decoder
 from gateway.speech.engine import EngineBase, OrpheusEngine
 from gateway.speech.errors import InvalidRequestError
 from gateway.speech.first_audio import FAST_START_BURST_WINDOW_S, fast_start_in_time, fast_start_margin_s
+from gateway.speech.language_spans import LanguageSpan, has_markup, parse_spans
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 FIRST_TOKENS_KEPT = 1024  # recent first tokens a fast start looks back over: a larger burst still reads as one
 
 
@@ -60,6 +63,22 @@ def resolve_voice(voices: list[str], default: str, voice: str | None,
     return voice
 
 
+def choose_voice(config: GatewayConfig, voice: str | None, language: str | None = None,
+                 aliases: Mapping[str, str] | None = None) -> str:
+    """The served voice of a request's `voice` (a voice, `model/voice`, or an alias of one) and/or `language`
+    (BCP-47: a language alone picks its model's default voice); InvalidRequestError listing what is served."""
+    if language is not None and not isinstance(language, str):
+        raise InvalidRequestError("invalid_language", "language must be a BCP-47 tag such as en-US or pt-BR")
+    if voice and aliases and voice in aliases:
+        voice = aliases[voice]
+    try:
+        return config.model_table.choose(voice or None, language or None, config.voice)
+    except ModelTableError as exc:
+        raise InvalidRequestError(exc.code, str(exc)
+                                  + (f"; aliases: {sorted(aliases)}" if aliases and exc.code == "unknown_voice"
+                                     else "")) from None
+
+
 def check_text(text: Any, max_chars: int, *, so_far: int = 0, allow_empty: bool = False) -> str:
     """The one rule for text to speak: a string, not blank (unless more of it follows: `allow_empty`), and at
     most `max_chars` characters with the `so_far` characters of the same utterance that came before it."""
@@ -71,6 +90,34 @@ def check_text(text: Any, max_chars: int, *, so_far: int = 0, allow_empty: bool 
         raise InvalidRequestError("text_too_long", f"text has {so_far + len(text)} characters; the limit is "
                                   f"{max_chars}")
     return text
+
+
+@dataclass(frozen=True)
+class VoicedSentence:
+    """A sentence spoken by a voice of its own (a span of mixed-language text) instead of the utterance's voice."""
+
+    text: str
+    voice: str
+
+
+def span_voices(config: GatewayConfig, spans: Sequence[LanguageSpan], voice: str) -> list[str]:
+    """The voice of each span of mixed-language text: the utterance's `voice` where its model serves the span's
+    language (or the span names none), else that language's default voice; InvalidRequestError for a language
+    no model serves."""
+    table = config.model_table
+    serving = table.model_for(voice)
+    return [voice if span.language is None or serving.serves_language(span.language)
+            else choose_voice(config, None, span.language) for span in spans]
+
+
+def voiced_sentences(config: GatewayConfig, text: str, voice: str) -> list[str | VoicedSentence]:
+    """The sentences of a whole text, each span of its `<lang>` markup by its own language's voice."""
+    if not has_markup(text):
+        return list(split_sentences(text, config.max_sentence_chars))
+    spans = parse_spans(text)
+    return [sentence if span_voice == voice else VoicedSentence(sentence, span_voice)
+            for span, span_voice in zip(spans, span_voices(config, spans, voice), strict=True)
+            for sentence in split_sentences(text[span.start:span.end], config.max_sentence_chars)]
 
 
 @dataclass
@@ -146,8 +193,16 @@ STREAM_SLOT_SPARE = 64
 class Synthesizer:
     """Owns the engine, the tokenizer and the SNAC decoder; hands out audio streams."""
 
-    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any, decoder: Decoder) -> None:
+    def __init__(self, config: GatewayConfig, engine: EngineBase, tokenizer: Any, decoder: Decoder, *,
+                 engines: Mapping[str, EngineBase] | None = None, tokenizers: Mapping[str, Any] | None = None
+                 ) -> None:
         self.config = config
+        self.table = config.model_table
+        first = next(iter(self.table.models))
+        # One engine and tokenizer per model of the table (`engine`, `tokenizer`: the first model's); each sentence
+        # goes to its voice's model's engine.
+        self.engines: dict[str, EngineBase] = dict(engines) if engines else {first: engine}
+        self.tokenizers: dict[str, Any] = dict(tokenizers) if tokenizers else {first: tokenizer}
         self.engine = engine
         self.tokenizer = tokenizer
         self.decoder = decoder
@@ -173,19 +228,37 @@ class Synthesizer:
         from transformers import AutoTokenizer
 
         require_checkpoints(config)
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        engines: dict[str, EngineBase] = {}
+        tokenizers: dict[str, Any] = {}
+        loaded: dict[str, Any] = {}  # tokenizer path -> tokenizer (models of one base share it)
+        for name in config.model_table.models:
+            model_config = config.for_model(name) if config.model_table.several else config
+            path = config.tokenizer or model_config.model
+            if path not in loaded:
+                loaded[path] = AutoTokenizer.from_pretrained(path)
+            tokenizers[name] = loaded[path]
+            engines[name] = RemoteEngine(model_config) if model_config.vllm_urls else OrpheusEngine(model_config)
         decoder = _stream_decoder(config)
-        engine: EngineBase = RemoteEngine(config) if config.vllm_urls else OrpheusEngine(config)
-        return cls(config, engine, tokenizer, decoder)
+        first = next(iter(engines))
+        return cls(config, engines[first], tokenizers[first], decoder, engines=engines, tokenizers=tokenizers)
 
     async def start(self) -> None:
         """Start the engine and, beside it, wait for the shared SNAC process (`snac_socket`) to listen."""
         waiting = asyncio.create_task(self.wait_for_decoder())
         try:
-            await self.engine.start()
+            await asyncio.gather(*(self._start_engine(name, engine) for name, engine in self.engines.items()))
             await waiting
         finally:
             waiting.cancel()  # the engine failed or start was cancelled: stop waiting too (no-op once done)
+
+    async def _start_engine(self, name: str, engine: EngineBase) -> None:
+        """Start one model's engine; one that fails fails the start-up, naming its model."""
+        try:
+            await engine.start()
+        except Exception:
+            if self.table.several:
+                log.error("the engine of model %r (%s) did not start", name, self.table.models[name].path)
+            raise
 
     async def wait_for_decoder(self) -> None:
         if not self.decoder_ready and self.config.snac_socket:
@@ -195,15 +268,24 @@ class Synthesizer:
     @property
     def ready(self) -> bool:
         """Both halves can take sentences: the engine is up and the SNAC decoder reachable."""
-        return self.decoder_ready and self.engine.ready
+        return self.decoder_ready and all(engine.ready for engine in self.engines.values())
+
+    def not_ready_engines(self) -> dict[str, str]:
+        """Model -> engine state of the models whose engine is not ready (`/readyz`)."""
+        return {name: engine.state.value for name, engine in self.engines.items() if not engine.ready}
 
     async def close(self) -> None:
-        await self.engine.close()
+        await asyncio.gather(*(engine.close() for engine in self.engines.values()))
         await asyncio.to_thread(self.decoder.close)
 
     # --- validation -------------------------------------------------------------------------------
-    def resolve_voice(self, voice: str | None) -> str:
-        return resolve_voice(self.voices, self.config.voice, voice, self.voice_aliases)
+    def resolve_voice(self, voice: str | None, language: str | None = None) -> str:
+        return choose_voice(self.config, voice, language, self.voice_aliases)
+
+    def engine_for(self, voice: str) -> tuple[EngineBase, Any]:
+        """The engine and tokenizer of a served voice's model."""
+        name = self.table.model_for(voice).name
+        return self.engines[name], self.tokenizers[name]
 
     def check_text(self, text: Any) -> str:
         return check_text(text, self.config.max_text_chars)
@@ -215,10 +297,12 @@ class Synthesizer:
         async for chunk in self.utterance(text, voice, max_tokens=max_tokens, seed=seed):
             yield chunk.pcm
 
-    async def utterance(self, text: str | Iterable[str] | AsyncIterable[str], voice: str | None = None, *,
+    async def utterance(self, text: str | Iterable[str | VoicedSentence] | AsyncIterable[str | VoicedSentence],
+                        voice: str | None = None, *,
                         max_tokens: int | None = None, seed: int | None = None,
                         stats: UtteranceStats | None = None) -> AsyncIterator[AudioChunk]:
-        """Audio chunks of one utterance; `text` is a whole text or an (async) stream of sentences.
+        """Audio chunks of one utterance; `text` is a whole text (`<lang>` spans by their languages' voices) or an
+        (async) stream of sentences (a `VoicedSentence` by its own voice).
 
         Closing the iterator (cancel, barge-in) aborts whatever the engine is generating for it.
         """
@@ -226,7 +310,7 @@ class Synthesizer:
         if isinstance(text, (Iterable, AsyncIterable)) and not isinstance(text, str):
             sentences: Any = text
         else:
-            sentences = split_sentences(self.check_text(text), self.config.max_sentence_chars)
+            sentences = voiced_sentences(self.config, self.check_text(text), voice)
         stats = stats if stats is not None else UtteranceStats()
         # One queue per sentence, played in order; the feeder starts sentence k+1 once k has generated.
         order: asyncio.Queue[asyncio.Queue[Any] | None] = asyncio.Queue()
@@ -245,12 +329,15 @@ class Synthesizer:
                     await feeder
             stats.finished_at = time.monotonic()
 
-    async def _feed(self, sentences: Iterable[str] | AsyncIterable[str], voice: str, max_tokens: int | None,
-                    seed: int | None, stats: UtteranceStats, order: asyncio.Queue[Any]) -> None:
+    async def _feed(self, sentences: Iterable[str | VoicedSentence] | AsyncIterable[str | VoicedSentence],
+                    voice: str, max_tokens: int | None, seed: int | None, stats: UtteranceStats,
+                    order: asyncio.Queue[Any]) -> None:
         tasks: list[asyncio.Task[None]] = []
         try:
             index = 0
-            async for sentence in _aiter(sentences):
+            async for item in _aiter(sentences):
+                sentence, sentence_voice = (item.text, item.voice) if isinstance(item, VoicedSentence) \
+                    else (item, voice)
                 sentence = sentence.strip()
                 if not sentence:
                     continue
@@ -258,7 +345,7 @@ class Synthesizer:
                 generated = asyncio.Event()
                 order.put_nowait(chunks)
                 tasks.append(asyncio.create_task(
-                    self._sentence(index, sentence, voice, max_tokens, seed, stats, chunks, generated)))
+                    self._sentence(index, sentence, sentence_voice, max_tokens, seed, stats, chunks, generated)))
                 index += 1
                 stats.sentences = index
                 await generated.wait()
@@ -283,7 +370,8 @@ class Synthesizer:
         try:
             feed = self._sentence_feed(index, sentence, stats, chunks)  # (left outside, it hung the utterance)
             decoding = feed.task
-            prompt = build_prompt(self.tokenizer, voice, sentence)
+            engine, tokenizer = self.engine_for(voice)
+            prompt = build_prompt(tokenizer, voice, sentence)
             if self.config.max_tokens_per_char > 0:
                 max_tokens = sentence_token_cap(len(sentence), self.config.max_tokens_per_char,
                                                 max_tokens or self.config.max_tokens)
@@ -291,7 +379,7 @@ class Synthesizer:
             tokens = 0
             self._awaiting_first_token += 1
             awaiting_first_token = True
-            async with contextlib.aclosing(self.engine.generate(prompt, max_tokens=max_tokens, seed=seed)) as ids:
+            async with contextlib.aclosing(engine.generate(prompt, max_tokens=max_tokens, seed=seed)) as ids:
                 async for token_ids in ids:
                     now = time.monotonic()
                     if first_token_at is None:
@@ -405,10 +493,14 @@ def require_checkpoints(config: GatewayConfig) -> None:
     """Everything this configuration loads is there (or to be had): one clear line otherwise."""
     if config.tokenizer:
         require_checkpoint(config.tokenizer, "tokenizer", "--tokenizer")
-    elif not config.vllm_urls:
-        require_checkpoint(config.model, "model", "--model")
-    else:  # the servers have the weights; the tokenizer still comes from --model here
-        require_checkpoint(config.model, "model (its tokenizer)", "--model or --tokenizer")
+    for name, spec in config.model_table.models.items():
+        what = "model" if not config.model_table.several else f"model {name!r}"
+        if config.tokenizer:
+            pass
+        elif not (config.vllm_urls or spec.vllm_urls):
+            require_checkpoint(spec.path, what, "--model")
+        else:  # the servers have the weights; the tokenizer still comes from --model here
+            require_checkpoint(spec.path, f"{what} (its tokenizer)", "--model or --tokenizer")
     if not config.snac_socket:
         require_checkpoint(config.snac_model, "SNAC codec", "--snac-model")
 
@@ -458,7 +550,7 @@ def decoder_settings(config: GatewayConfig) -> DecoderSettings:
                            max_streams=_stream_slots(config), compile=config.snac_compile)
 
 
-async def _aiter(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
+async def _aiter(items: Iterable[_T] | AsyncIterable[_T]) -> AsyncIterator[_T]:
     if isinstance(items, AsyncIterable):
         async for item in items:
             yield item
