@@ -26,6 +26,8 @@ ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SNAC_PLACEMENTS = ("process", "shared")
+PHRASE_CACHE_MODES = ("off", "marked", "all")  # what the phrase cache keeps: nothing, `cache: true` lines, every line
+PHRASE_CACHE_SCHEMES = ("redis", "rediss", "unix")
 # OpenAI's speech voices, which OpenAI clients (pipecat's OpenAITTSService) accept and send; each is an alias of a
 # served voice by default (`GatewayConfig.voice_aliases`). English checkpoints get voices of a like register.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
@@ -189,6 +191,16 @@ class GatewayConfig:
                                 "English voices).")
     replay_cache_utterances: int = _opt(8, "Utterances each session keeps for `repeat` (0 = no repeat).")
     replay_cache_s: float = _opt(60.0, "Seconds of audio each session keeps for `repeat` (24 kHz int16: 48 kB/s).")
+    # --- phrase cache (docs/operations.md) -----------------------------------------------------------
+    phrase_cache: str = _opt("off", "Sentences kept and replayed without an engine request, shared by every "
+                             "session, worker and (with --phrase-cache-url) host: off; marked (lines sent with "
+                             "`cache: true`); all (every line but those sent with `cache: false`).")
+    phrase_cache_dir: str | None = _opt(None, "Folder of the on-disk phrase cache (SQLite, shared by the processes "
+                                        "of a host); default: $XDG_CACHE_HOME/orpheus-gateway/phrases.")
+    phrase_cache_bytes: int = _opt(1 << 30, "Most bytes of cached sentences (PCM, timings); least recently used "
+                                   "ones are evicted.")
+    phrase_cache_url: str | None = _opt(None, "Redis holding the phrase cache for many hosts, e.g. "
+                                        "redis://cache:6379/0 (instead of the on-disk cache).")
     # --- admission --------------------------------------------------------------------------------
     max_in_flight_utterances: int = _opt(0, "Most utterances synthesising at once, all sessions and HTTP requests "
                                          "together (every worker's with --workers); more get `at_capacity` "
@@ -387,6 +399,11 @@ def validate(config: GatewayConfig) -> None:
         (config.message_burst >= 1, "message_burst must be >= 1"),
         (config.replay_cache_utterances >= 0, "replay_cache_utterances must be >= 0 (0 = no repeat)"),
         (config.replay_cache_s >= 0, "replay_cache_s must be >= 0"),
+        (config.phrase_cache in PHRASE_CACHE_MODES, f"phrase_cache must be one of {', '.join(PHRASE_CACHE_MODES)}"),
+        (config.phrase_cache_bytes >= 1, "phrase_cache_bytes must be >= 1"),
+        (config.phrase_cache_url is None
+         or urllib.parse.urlsplit(config.phrase_cache_url).scheme in PHRASE_CACHE_SCHEMES,
+         f"phrase_cache_url must be a {'/'.join(PHRASE_CACHE_SCHEMES)} url such as redis://cache:6379/0"),
         (config.session_idle_timeout_s >= 0, "session_idle_timeout_s must be >= 0"),
         (config.heartbeat_timeout_s >= 0, "heartbeat_timeout_s must be >= 0 (0 = off)"),
         (config.session_connect_timeout_s >= 0, "session_connect_timeout_s must be >= 0 (0 = off)"),

@@ -123,6 +123,11 @@ class Admission:
         self.sessions += 1
         return Slot(self._end_session)
 
+    @property
+    def streams_in_use(self) -> int:
+        """Utterances synthesising now, every worker's."""
+        return self.streams + (self.shared.others() if self.shared is not None else 0)
+
     def admit_stream(self) -> Slot:
         """One more utterance synthesising, if every running stream keeps real time with it."""
         others = self.shared.others() if self.shared is not None else 0

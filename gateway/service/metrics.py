@@ -95,6 +95,33 @@ class SnacMetrics:
         return generate_latest(self.registry)
 
 
+class PhraseCacheMetrics:
+    """The phrase cache (`gateway.phrases`): sentences played from it or made for it, what it holds, and its store's
+    failures (a Redis that is down: every lookup a miss)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.hits_total = Counter("orpheus_phrase_cache_hits_total", "Sentences played from the phrase cache.",
+                                  registry=r)
+        self.misses_total = Counter("orpheus_phrase_cache_misses_total", "Cacheable sentences not in the phrase "
+                                    "cache (generated).", registry=r)
+        self.joins_total = Counter("orpheus_phrase_cache_single_flight_joins_total", "Sentences that followed "
+                                   "another request's generation of the same key instead of their own.", registry=r)
+        self.stored_total = Counter("orpheus_phrase_cache_stored_total", "Sentences written to the phrase cache.",
+                                    registry=r)
+        self.bytes = Gauge("orpheus_phrase_cache_bytes", "Bytes the phrase cache's store holds (as last read).",
+                           registry=r)
+        self.evictions_total = Counter("orpheus_phrase_cache_evictions_total", "Entries evicted to keep the byte "
+                                       "bound.", registry=r)
+        self.prefetches_total = Counter("orpheus_phrase_cache_prefetches_total", "Prefetched sentences, by outcome "
+                                        "(ready: already cached; generated; skipped: no room or cache off).",
+                                        ["outcome"], registry=r)
+        self.corrupt_total = Counter("orpheus_phrase_cache_corrupt_total", "Entries dropped for a bad checksum.",
+                                     registry=r)
+        self.errors_total = Counter("orpheus_phrase_cache_store_errors_total", "Store calls that failed (counted "
+                                    "as misses), by store.", ["store"], registry=r)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -145,6 +172,8 @@ class Metrics:
         self.client_played_seconds = Histogram("orpheus_client_played_seconds", "Audio of an utterance the page "
                                                "reports it played (`played` messages).", buckets=PLAYED_BUCKETS_S,
                                                registry=r)
+
+        self.phrases = PhraseCacheMetrics(r)
 
     def observe_synthesis(self, tokens: int, audio_s: float, synthesis_s: float | None) -> None:
         """One utterance made (HTTP or WebRTC): its tokens, its audio and, when it has audio, its real-time factor

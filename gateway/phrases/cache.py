@@ -1,0 +1,351 @@
+"""The phrase cache of one gateway process: its policy, its store, single flight and prefetch.
+
+Single flight: the first request for a key that is neither stored nor being made starts a `Flight`, a generation
+owned by the cache (not by the request); that request and every later one for the key follow it, reading its
+chunks from the first (`Flight.follow`). The flight ends when the last follower leaves before the audio is complete
+(nobody hears it: the engine request is aborted), or with its entry stored. Within a process; the processes of a
+host or the hosts of a Redis each make a line once and then share it.
+
+Prefetch: sentences are made one at a time, each only while the engine has room (`PREFETCH_ROOM` of its utterance
+limit, every worker's counted, is free), holding an admission slot as live speech does. Live speech goes first: a
+live utterance that starts while a prefetch generates aborts the prefetch's engine request (the line is tried again
+later), so the live request never shares the engine with it for longer than one `PREEMPT_CHECK_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from gateway.config import GatewayConfig
+from gateway.orpheus import split_sentences
+from gateway.phrases.disk import DiskStore, default_folder
+from gateway.phrases.entry import CorruptEntryError, PhraseEntry
+from gateway.phrases.key import PhraseKey
+from gateway.service.admission import Admission
+from gateway.service.errors import CapacityError
+from gateway.service.metrics import PhraseCacheMetrics
+from gateway.speech.synthesizer import Synthesizer, UtteranceStats
+from gateway.timing import VisemeTiming, WordTiming
+
+log = logging.getLogger(__name__)
+
+OFF, MARKED, ALL = "off", "marked", "all"
+PREFETCH_ROOM = 0.5  # a prefetch starts only while at most this share of the utterance limit is in use
+PREFETCH_IDLE_S = 0.05  # how often a waiting prefetch looks for room again
+MAX_PREFETCH_QUEUE = 256  # sentences waiting to be prefetched per process; more are skipped
+PREEMPT_CHECK_S = 0.02  # how often a running prefetch looks for live speech that started beside it
+MAX_PREEMPTIONS = 3  # a prefetch aborted for live speech this often is skipped (the line is made when spoken)
+
+
+class PhraseStore(Protocol):
+    name: str
+
+    async def get(self, key: str) -> bytes | None: ...
+    async def put(self, key: str, data: bytes) -> int: ...
+    async def drop(self, key: str) -> None: ...
+    async def usage(self) -> tuple[int, int]: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Timings:
+    """A sentence's words and visemes as the cache stores them."""
+
+    words: list[WordTiming]
+    visemes: list[VisemeTiming]
+    source: str
+
+
+# (text, pcm, language) -> its timings: the sessions' timing service, so a hit carries the words a fresh line gets.
+MakeTimings = Callable[[str, np.ndarray, str], Awaitable[Timings]]
+LeadOf = Callable[[], float | None]
+
+
+class FlightAbandoned(Exception):  # noqa: N818 -- not an error to report: the flight's last listener left
+    """Raised to a follower of a flight that ended without its audio."""
+
+
+@dataclass(eq=False)
+class Flight:
+    """One key's generation and everything it has made so far; followed by every request for the key."""
+
+    key: PhraseKey
+    chunks: list[tuple[np.ndarray, bool]] = field(default_factory=list)  # (pcm, last of the sentence)
+    stats: UtteranceStats = field(default_factory=UtteranceStats)
+    entry: PhraseEntry | None = None
+    error: BaseException | None = None
+    done: bool = False
+    followers: int = 0
+    leads: list[LeadOf] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def publish(self, pcm: np.ndarray, last: bool) -> None:
+        self.chunks.append((pcm, last))
+        self._wake()
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.done, self.error = True, error
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def lead_s(self) -> float | None:
+        """The shortest playout lead among its listeners (the decoder serves the neediest); None: nobody hears it."""
+        leads = [lead for read in self.leads if (lead := read()) is not None]
+        return min(leads) if leads else None
+
+    async def follow(self, lead: LeadOf | None, on_leave: Callable[[Flight], None]) -> AsyncIterator[
+            tuple[np.ndarray, bool]]:
+        """Every chunk from the first, as it comes; the flight's error if it failed."""
+        self.followers += 1
+        if lead is not None:
+            self.leads.append(lead)
+        try:
+            sent = 0
+            while True:
+                while sent < len(self.chunks):
+                    yield self.chunks[sent]
+                    sent += 1
+                if self.done:
+                    if self.error is not None:
+                        raise self.error
+                    return
+                await self._changed.wait()
+        finally:
+            self.followers -= 1
+            if lead is not None:
+                self.leads.remove(lead)
+            on_leave(self)
+
+
+class PhraseCache:
+    """Lookups, single flights, stores and prefetches of one process; `policy` decides what may be kept."""
+
+    def __init__(self, config: GatewayConfig, metrics: PhraseCacheMetrics, admission: Admission,
+                 store: PhraseStore, make_timings: MakeTimings) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.admission = admission
+        self.store = store
+        self.make_timings = make_timings
+        self.flights: dict[str, Flight] = {}
+        self._prefetch: asyncio.Queue[tuple[Synthesizer, PhraseKey]] = asyncio.Queue(MAX_PREFETCH_QUEUE)
+        self._prefetcher: asyncio.Task[None] | None = None
+        self._prefetching = False  # the prefetcher holds a sentence (waiting for room, or making it)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, metrics: PhraseCacheMetrics, admission: Admission,
+                    make_timings: MakeTimings) -> PhraseCache | None:
+        """The process's cache, or None with `--phrase-cache off`."""
+        if config.phrase_cache == OFF:
+            return None
+        store: PhraseStore
+        if config.phrase_cache_url:
+            from gateway.phrases.redis_store import RedisStore
+
+            store = RedisStore(config.phrase_cache_url, config.phrase_cache_bytes)
+        else:
+            folder = Path(config.phrase_cache_dir) if config.phrase_cache_dir else default_folder()
+            store = DiskStore(folder, config.phrase_cache_bytes)
+        return cls(config, metrics, admission, store, make_timings)
+
+    def applies(self, marked: bool | None) -> bool:
+        """Whether a line sent with `cache: marked` (None: not said) may be kept: `cache: false` never is (a
+        private line); `marked` keeps `cache: true` lines only, `all` every other line too."""
+        if marked is False:
+            return False
+        return marked is True or self.config.phrase_cache == ALL
+
+    def key(self, voice: str, text: str, seed: int | None = None, language: str | None = None) -> PhraseKey:
+        """The key of a sentence; its timings' language is `language`, or the sessions' for this voice."""
+        return PhraseKey.of(self.config, voice, language or self.config.language_of(voice),
+                            text, seed)
+
+    # --- lookups ------------------------------------------------------------------------------------------
+    async def lookup(self, key: PhraseKey) -> PhraseEntry | None:
+        """The stored entry (a hit), or None: not stored, corrupt (dropped), or the store failed (a metric)."""
+        digest = key.digest
+        try:
+            data = await self.store.get(digest)
+        except Exception as exc:  # Redis down or slow, a locked or broken database: a miss, never a failure
+            self._store_failed("get", exc)
+            return None
+        if data is None:
+            return None
+        try:
+            return PhraseEntry.decode(data)
+        except CorruptEntryError as exc:
+            log.warning("phrase cache: entry %s dropped (%s); it is made again", digest[:12], exc)
+            self.metrics.corrupt_total.inc()
+            with contextlib.suppress(Exception):
+                await self.store.drop(digest)
+            return None
+
+    def _store_failed(self, call: str, exc: BaseException) -> None:
+        self.metrics.errors_total.labels(self.store.name).inc()
+        log.warning("phrase cache: %s %s failed: %s", self.store.name, call, exc)
+
+    async def _put(self, key: PhraseKey, entry: PhraseEntry) -> None:
+        try:
+            evicted = await self.store.put(key.digest, entry.encode())
+            _entries, size = await self.store.usage()
+        except Exception as exc:
+            self._store_failed("put", exc)
+            return
+        self.metrics.stored_total.inc()
+        self.metrics.evictions_total.inc(evicted)
+        self.metrics.bytes.set(size)
+
+    # --- single flight ------------------------------------------------------------------------------------
+    def flight(self, key: PhraseKey, synthesizer: Synthesizer) -> Flight:
+        """The running flight of `key` (joined: a metric), or a new one started."""
+        digest = key.digest
+        flight = self.flights.get(digest)
+        if flight is not None:
+            self.metrics.joins_total.inc()
+            return flight
+        flight = self.flights[digest] = Flight(key)
+        flight.stats.playout_lead_s = flight.lead_s
+        flight.task = asyncio.create_task(self._generate(flight, synthesizer), name=f"phrase-{digest[:8]}")
+        return flight
+
+    async def _generate(self, flight: Flight, synthesizer: Synthesizer) -> None:
+        key = flight.key
+        try:
+            seed = None if key.seed_policy == "random" else int(key.seed_policy.split(":", 1)[1])
+            pcm: list[np.ndarray] = []
+            async with contextlib.aclosing(synthesizer.utterance([key.text], key.voice, seed=seed,
+                                                                 stats=flight.stats)) as chunks:
+                async for chunk in chunks:
+                    pcm.append(chunk.pcm)
+                    flight.publish(chunk.pcm, chunk.last_of_sentence)
+            audio = np.concatenate(pcm) if pcm else np.zeros(0, np.int16)
+            timings = await self.make_timings(key.text, audio, key.language)
+            flight.entry = PhraseEntry(audio, timings.words, timings.visemes, timings.source)
+            flight.end()
+            if len(audio):
+                await self._put(key, flight.entry)
+        except asyncio.CancelledError:
+            flight.end(FlightAbandoned("every listener of this sentence left"))
+            raise
+        except Exception as exc:
+            flight.end(exc)
+        finally:
+            if self.flights.get(key.digest) is flight:
+                del self.flights[key.digest]
+
+    def _left(self, flight: Flight) -> None:
+        """A follower left: the last one to leave an unfinished flight ends it (nobody hears the rest)."""
+        if flight.followers == 0 and not flight.done and flight.task is not None:
+            flight.task.cancel()
+
+    async def follow(self, flight: Flight, lead: LeadOf | None) -> AsyncIterator[tuple[np.ndarray, bool]]:
+        async for item in flight.follow(lead, self._left):
+            yield item
+
+    # --- prefetch -----------------------------------------------------------------------------------------
+    async def prefetch(self, synthesizer: Synthesizer, texts: Iterable[str], voice: str,
+                       language: str | None = None) -> list[bool]:
+        """Whether each text's sentences are all stored now; the missing ones are queued to be made while the
+        engine has room."""
+        ready: list[bool] = []
+        for text in texts:
+            all_there = True
+            for sentence in split_sentences(text, self.config.max_sentence_chars):
+                key = self.key(voice, sentence, language=language)
+                if key.digest in self.flights or await self.lookup(key) is not None:
+                    all_there = all_there and key.digest not in self.flights
+                    continue
+                all_there = False
+                try:
+                    self._prefetch.put_nowait((synthesizer, key))
+                except asyncio.QueueFull:
+                    self.metrics.prefetches_total.labels("skipped").inc()
+            ready.append(all_there)
+            if all_there:
+                self.metrics.prefetches_total.labels("ready").inc()
+        if self._prefetcher is None or self._prefetcher.done():
+            self._prefetcher = asyncio.create_task(self._prefetch_loop(), name="phrase-prefetch")
+        return ready
+
+    def has_room(self) -> bool:
+        return self.admission.streams_in_use < max(1, int(self.admission.max_streams * PREFETCH_ROOM))
+
+    async def _prefetch_loop(self) -> None:
+        while True:
+            synthesizer, key = await self._prefetch.get()
+            self._prefetching = True
+            try:
+                await self._prefetch_one(synthesizer, key)
+            finally:
+                self._prefetching = False
+
+    async def _prefetch_one(self, synthesizer: Synthesizer, key: PhraseKey) -> None:
+        """Make one sentence while the engine has room; a live utterance that starts meanwhile goes first: the
+        prefetch's engine request is aborted (unless a live request follows it too) and tried again later."""
+        floor = self.admission.max_streams  # after a preemption: wait until the live speech that caused it ended
+        for _attempt in range(MAX_PREEMPTIONS + 1):
+            # Polled: the other workers' utterances are counts in a shared file, which signals nothing.
+            while not self.has_room() or self.admission.streams_in_use > floor:  # noqa: ASYNC110
+                await asyncio.sleep(PREFETCH_IDLE_S)
+            if key.digest in self.flights or await self.lookup(key) is not None:
+                return
+            try:
+                slot = self.admission.admit_stream()
+            except CapacityError:
+                break
+            with slot:
+                floor = self.admission.streams_in_use - 1  # the utterances beside it when it started
+                flight = self.flight(key, synthesizer)
+                drain = asyncio.create_task(self._drain(flight))
+                if not await self._yield_to_live(flight, drain):
+                    self.metrics.prefetches_total.labels("preempted").inc()
+                    continue
+            self.metrics.prefetches_total.labels("generated" if flight.entry is not None else "skipped").inc()
+            return
+        self.metrics.prefetches_total.labels("skipped").inc()
+
+    async def _drain(self, flight: Flight) -> None:
+        with contextlib.suppress(Exception):
+            async for _chunk in self.follow(flight, None):
+                pass
+
+    async def _yield_to_live(self, flight: Flight, drain: asyncio.Task[None]) -> bool:
+        """Follow a prefetch's flight to its end (True, stored), or end it when live speech starts (False)."""
+        assert flight.task is not None
+        beside = self.admission.streams_in_use  # this prefetch and whatever ran when it started
+        while not flight.task.done():
+            in_use = self.admission.streams_in_use
+            if in_use > beside and flight.followers <= 1:  # a live utterance started; none follows this line
+                drain.cancel()  # its last follower leaving aborts the engine request
+                await asyncio.wait([drain, flight.task])
+                return False
+            beside = min(beside, in_use)
+            await asyncio.wait([flight.task], timeout=PREEMPT_CHECK_S)
+        await asyncio.wait([drain])
+        return True
+
+    async def prefetch_idle(self) -> None:
+        """Wait until every queued prefetch is made (tests, benchmarks)."""
+        while not self._prefetch.empty() or self._prefetching or self.flights:  # noqa: ASYNC110
+            await asyncio.sleep(PREFETCH_IDLE_S)
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._prefetcher, *(f.task for f in self.flights.values())) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.store.close()
+

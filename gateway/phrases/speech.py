@@ -1,0 +1,71 @@
+"""An utterance's sentences as audio through the phrase cache: each sentence a hit (its stored audio at once, no
+engine request) or a miss (made by a single flight, which it may share with other requests for the same line).
+
+`cached_sentences` yields the synthesizer's `AudioChunk`s, so its callers treat both alike; a hit's chunk is a
+`CachedChunk` carrying its entry (the stored word timings and visemes). Sentence k+1 is looked up once sentence
+k's audio is complete, as the synthesizer starts a sentence's generation once the previous one's is done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from gateway.phrases.cache import PhraseCache
+from gateway.phrases.entry import PhraseEntry
+from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats
+
+
+@dataclass
+class CachedChunk(AudioChunk):
+    """A hit: the sentence's whole stored audio in one chunk, with its entry."""
+
+    entry: PhraseEntry | None = None
+
+
+async def _sentences(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer, sentences: Iterable[str] |
+                           AsyncIterable[str], voice: str, *, stats: UtteranceStats,
+                           seed: int | None = None) -> AsyncIterator[AudioChunk]:
+    """Audio chunks of `sentences` (already split), hits from the cache and misses from single flights; `stats`
+    gets first audio, first token and the tokens of the flights this request led or followed."""
+    index = 0
+    async for raw in _sentences(sentences):
+        sentence = raw.strip()
+        if not sentence:
+            continue
+        key = cache.key(voice, sentence, seed)
+        entry = None if key.digest in cache.flights else await cache.lookup(key)
+        if entry is not None:
+            cache.metrics.hits_total.inc()
+            if stats.first_audio_at is None:
+                stats.first_audio_at = time.monotonic()
+            stats.samples += len(entry.pcm)
+            yield CachedChunk(entry.pcm, index, sentence, True, True, entry=entry)
+        else:
+            if key.digest not in cache.flights:
+                cache.metrics.misses_total.inc()
+            flight = cache.flight(key, synthesizer)
+            first = True
+            async for pcm, last in cache.follow(flight, stats.playout_lead_s):
+                if stats.first_audio_at is None:
+                    stats.first_audio_at = time.monotonic()
+                    stats.first_token_at = flight.stats.first_token_at
+                    stats.first_window_at = flight.stats.first_window_at
+                stats.samples += len(pcm)
+                yield AudioChunk(pcm, index, sentence, first, last)
+                first = False
+            if flight.stats.tokens and flight.followers == 0:
+                stats.tokens += flight.stats.tokens  # counted once, by the last follower out
+        index += 1
+        stats.sentences = index
+    stats.finished_at = time.monotonic()
