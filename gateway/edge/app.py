@@ -17,6 +17,7 @@ from gateway.config import GatewayConfig
 from gateway.edge.cartesia_ws import CARTESIA_PATH, cartesia_websocket, request_api_key
 from gateway.edge.errors import AuthError
 from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH, SUBJECT_KEY, json_error
+from gateway.edge.prefetch_api import PREFETCH_PATH, prefetch
 from gateway.edge.signalling import add_signalling_routes
 from gateway.edge.speech_api import SPEECH_PATH, speech
 from gateway.edge.state import GatewayState
@@ -179,6 +180,7 @@ def create_app(config: GatewayConfig, synthesizer: Synthesizer | None = None, *,
     app[GATEWAY_KEY] = gateway
     app.add_routes(routes)
     app.router.add_post(SPEECH_PATH, speech)
+    app.router.add_post(PREFETCH_PATH, prefetch)
     app.router.add_get(CARTESIA_PATH, cartesia_websocket)
     app.router.add_get("/", web_file)
     app.router.add_get(r"/static/{name:[A-Za-z0-9_.-]+\.[a-z]+}", web_file)

@@ -9,7 +9,9 @@ response's audio chain (`AudioOutput`: pitch-preserving `speed` by `gateway.medi
 
 Not OpenAI's: `response_format` defaults to `wav` (OpenAI's default is mp3; the gateway's clients relied on wav
 before the other formats existed), `instructions` is accepted and ignored (Orpheus takes none), `seed` (an integer)
-makes the tokens reproducible, a test and debugging aid, and `word_timestamps: true` (with `stream_format: "sse"`)
+makes the tokens reproducible, a test and debugging aid, `cache` (true: a scripted line the phrase cache may keep
+and share; false: a private line it never keeps; absent: the deployment's `--phrase-cache` choice), and
+`word_timestamps: true` (with `stream_format: "sse"`)
 adds a `speech.audio.words` event after each sentence's audio: `{"type": "speech.audio.words", "words": [{"word",
 "start", "end"}]}`, seconds from the response's first sample (at its `speed`), for clients that drive an avatar.
 """
@@ -36,6 +38,7 @@ from gateway.media.errors import InvalidRateError
 from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.media.stretch import SPEECH_SPEED_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, build_prompt, split_sentences
+from gateway.phrases.speech import cached_sentences
 from gateway.service.errors import CapacityError
 from gateway.speech.errors import ENGINE_RETRY_AFTER_S, EngineDeadError, EngineUnavailableError, InvalidRequestError
 from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, voiced_sentences
@@ -85,6 +88,7 @@ class SpeechRequest:
     speed: float
     seed: int | None
     word_timestamps: bool = False
+    cache: bool | None = None  # the phrase cache: true a scripted line, false a private one, None not said
 
 
 def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> SpeechRequest:
@@ -116,6 +120,10 @@ def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> Spee
     if not isinstance(word_timestamps, bool) or (word_timestamps and stream_format != "sse"):
         raise SpeechRequestError("invalid_word_timestamps", 'word_timestamps must be true or false; true needs '
                                  'stream_format "sse"', "word_timestamps")
+    cache = body.get("cache")
+    if cache is not None and not isinstance(cache, bool):
+        raise SpeechRequestError("invalid_cache", "cache must be true (a scripted line) or false (a private one)",
+                                 "cache")
     voice = body.get("voice")
     if isinstance(voice, dict) and set(voice) == {"id"}:  # OpenAI's custom-voice form: {"id": "leo"}
         voice = voice["id"]
@@ -138,7 +146,7 @@ def parse_speech_request(body: dict[str, Any], synthesizer: Synthesizer) -> Spee
         voiced_sentences(synthesizer.config, text, voice)  # mixed-language markup: checked before any audio
     except InvalidRequestError as exc:
         raise SpeechRequestError(exc.code, str(exc), "input") from None
-    return SpeechRequest(text, voice, fmt, stream_format == "sse", speed, seed, word_timestamps)
+    return SpeechRequest(text, voice, fmt, stream_format == "sse", speed, seed, word_timestamps, cache)
 
 
 # --- audio out -----------------------------------------------------------------------------------------
@@ -256,7 +264,15 @@ async def speech(request: web.Request) -> web.StreamResponse:
         return openai_error(503, exc.code, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
     stats = UtteranceStats()
-    chunks = synthesizer.utterance(speech_request.text, speech_request.voice, seed=speech_request.seed, stats=stats)
+    phrases = gateway.phrases
+    chunks: AsyncGenerator[AudioChunk, None]
+    if phrases is not None and phrases.applies(speech_request.cache):  # hits from the cache, misses made once
+        sentences = split_sentences(speech_request.text, synthesizer.config.max_sentence_chars)
+        chunks = cached_sentences(phrases, synthesizer, sentences, speech_request.voice, stats=stats,
+                                  seed=speech_request.seed)
+    else:
+        chunks = synthesizer.utterance(speech_request.text, speech_request.voice, seed=speech_request.seed,
+                                       stats=stats)
     output = AudioOutput(speech_request.response_format, speech_request.speed)
     response: web.StreamResponse | None = None
     try:

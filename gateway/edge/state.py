@@ -8,12 +8,15 @@ import gc
 import logging
 from collections.abc import Callable
 
+import numpy as np
 from aiohttp import web
 
 from gateway.config import GatewayConfig
 from gateway.edge.auth import AccessPolicy
+from gateway.phrases.cache import PhraseCache, Timings
 from gateway.rtc.manager import SessionManager
 from gateway.rtc.services import SessionServices
+from gateway.rtc.timings import timing_service
 from gateway.service.admission import Admission, StreamCounts
 from gateway.service.loop_lag import LoopLagMonitor
 from gateway.service.metrics import Metrics
@@ -37,8 +40,11 @@ class GatewayState:
         self.session_id_prefix = session_id_prefix  # `w<index>-` in a worker process: who owns a session
         self.admission = Admission.from_config(config, stream_counts)  # counts: every worker's utterances
         self.access = AccessPolicy.from_lists(config.auth_token, config.auth_secret, config.allowed_origin)
+        # The phrase cache (None when off): hits carry the word timings the sessions' timing service made.
+        self.phrases = PhraseCache.from_config(config, self.metrics.phrases, self.admission, self._phrase_timings)
         self.sessions = SessionManager(
-            SessionServices(config, self.metrics, self.admission, self._speaking_synthesizer), session_id_prefix)
+            SessionServices(config, self.metrics, self.admission, self._speaking_synthesizer, self.phrases),
+            session_id_prefix)
         self._owns_synthesizer = synthesizer is None
         self._start_task: asyncio.Task[None] | None = None
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag_seconds.observe)  # runs from startup to cleanup
@@ -50,6 +56,10 @@ class GatewayState:
         a `speak` is refused as "still starting", with a retry hint)."""
         synthesizer = self.synthesizer
         return synthesizer if synthesizer is not None and synthesizer.decoder_ready else None
+
+    async def _phrase_timings(self, text: str, pcm: np.ndarray, language: str) -> Timings:
+        timings = await timing_service(self.config.aligner_model).sentence(text, pcm, language)
+        return Timings(timings.words, timings.visemes, timings.source)
 
     @property
     def ready(self) -> bool:
@@ -97,6 +107,8 @@ class GatewayState:
             self._start_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._start_task
+        if self.phrases is not None:
+            await self.phrases.close()
         if self._owns_synthesizer and self.synthesizer is not None:
             await self.synthesizer.close()
 

@@ -85,6 +85,9 @@ class Speak(msgspec.Struct, tag_field="type", tag="speak", kw_only=True, omit_de
     interrupt: bool = False  # cancel what is playing and queued first (barge-in)
     more: bool = False
     rate: PlaybackRate = 1.0  # set by the first piece; later pieces' rate is ignored
+    # The phrase cache (`--phrase-cache`): true a scripted line (kept and shared), false a private one (never
+    # kept); absent: the deployment's choice. Set by the first piece.
+    cache: bool | None = None
 
 
 class Cancel(msgspec.Struct, tag_field="type", tag="cancel", kw_only=True, omit_defaults=True):
@@ -120,8 +123,21 @@ class Played(msgspec.Struct, tag_field="type", tag="played", kw_only=True, omit_
     played_ms: Annotated[float, msgspec.Meta(ge=0, le=MAX_PLAYED_MS)]
 
 
-ClientMessage = Speak | Cancel | Ping | Repeat | Played
-CLIENT_TYPES = ("speak", "cancel", "ping", "repeat", "played")
+MAX_PREFETCH_TEXTS = 64
+LanguageName = Annotated[str, msgspec.Meta(min_length=1, max_length=32, description="espeak-ng language name.")]
+
+
+class Prefetch(msgspec.Struct, tag_field="type", tag="prefetch", kw_only=True, omit_defaults=True):
+    """Lines about to be spoken (a lesson's next lines): the gateway makes those not in the phrase cache while the
+    engine has room, and answers `prefetched`. `language`: that of their word timings (default: as for `speak`)."""
+
+    texts: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_PREFETCH_TEXTS)]
+    voice: VoiceName | None = None
+    language: LanguageName | None = None
+
+
+ClientMessage = Speak | Cancel | Ping | Repeat | Played | Prefetch
+CLIENT_TYPES = ("speak", "cancel", "ping", "repeat", "played", "prefetch")
 
 
 # --- server -> client ------------------------------------------------------------------------------------
@@ -254,7 +270,17 @@ class Error(Event, tag="error", omit_defaults=True):
     retry_after_s: float | None = None
 
 
-ServerEvent = Ready | Queued | Started | Segment | Words | Visemes | Done | Cancelled | Pong | Error
+class Prefetched(Event, tag="prefetched"):
+    """The answer to `prefetch`, in its order: `ready` the texts the phrase cache holds now (a `speak` of them
+    starts without an engine request), `pending` those being made while the engine has room (prefetch again to
+    ask), `skipped` those not kept (the phrase cache is off)."""
+
+    ready: list[str]
+    pending: list[str]
+    skipped: list[str]
+
+
+ServerEvent = Ready | Queued | Started | Segment | Words | Visemes | Done | Cancelled | Pong | Error | Prefetched
 TERMINAL_EVENTS = ("done", "cancelled", "error")  # exactly one of these ends every accepted speak
 
 _client_decoder = msgspec.json.Decoder(ClientMessage)
@@ -324,7 +350,7 @@ def parse_server_event(raw: str | bytes) -> ServerEvent:
     return _server_decoder.decode(raw)
 
 
-def encode(message: Event | Speak | Cancel | Ping | Repeat | Played | Offer | Answer) -> str:
+def encode(message: Event | Speak | Cancel | Ping | Repeat | Played | Prefetch | Offer | Answer) -> str:
     """One message as JSON text (UTF-8 characters as they are, not escaped)."""
     return _encoder.encode(message).decode()
 

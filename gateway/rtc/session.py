@@ -22,9 +22,10 @@ from gateway.config import GatewayConfig
 from gateway.media.encoder import OpusTrack
 from gateway.media.playout import SAMPLE_RATE_OUT, PlayoutTrack
 from gateway.orpheus import SentenceSplitter
+from gateway.phrases.cache import PhraseCache
 from gateway.rtc import protocol
 from gateway.rtc.errors import ProtocolError
-from gateway.rtc.protocol import CONTROL_LABEL, Cancel, Ping, Played, Repeat, Speak
+from gateway.rtc.protocol import CONTROL_LABEL, Cancel, Ping, Played, Prefetch, Repeat, Speak
 from gateway.rtc.reporter import PlayoutReporter
 from gateway.rtc.services import SessionServices
 from gateway.rtc.speaker import Speaker
@@ -78,6 +79,7 @@ class Session:
         self.track = self.timelines.track = PlayoutTrack(on_event=self.reporter.on_playout_event)
         self.speaker = Speaker(services, self.track, jitter_buffer_ms, self._fail, name=f"session-{session_id[:8]}",
                                timelines=self.timelines)
+        self._prefetches: set[asyncio.Task[None]] = set()
         self._watchdog = asyncio.create_task(self._watch(), name=f"session-watch-{session_id[:8]}")
 
         # aiortc sends what the Opus stage returns; the playout track stays the one place that keeps time.
@@ -153,6 +155,8 @@ class Session:
             self.send(protocol.Pong(t=message.t))
         elif isinstance(message, Repeat):
             self.repeat(message)
+        elif isinstance(message, Prefetch):
+            self.prefetch(message)
         elif isinstance(message, Played):
             self.timelines.played(message)
 
@@ -185,7 +189,7 @@ class Session:
         _checked(check_text, message.text, limit, allow_empty=message.more, utterance_id=utterance_id)
         rate = self.timelines.check_rate(message.rate, utterance_id)
         utterance = Utterance(utterance_id, voice, time.monotonic(), SentenceSplitter(self.config.max_sentence_chars),
-                              rate=rate)
+                              rate=rate, cache=message.cache)
         if has_markup(message.text):  # mixed languages: each span by a voice of its language
             if message.more:
                 raise ProtocolError("invalid_markup", MARKUP_WHOLE_TEXT, utterance_id)
@@ -195,6 +199,35 @@ class Session:
         else:
             utterance.add_text(message.text, message.more)
         self._admit(utterance, message.interrupt)
+
+    def prefetch(self, message: Prefetch) -> None:
+        """Queue the lines not in the phrase cache to be made while the engine has room; `prefetched` says which
+        are ready."""
+        synthesizer = self.services.synthesizer()
+        if synthesizer is None:
+            raise ProtocolError(EngineUnavailableError.code, "the speech engine is still starting", None,
+                                EngineUnavailableError.retry_after_s)
+        voice = _checked(resolve_voice, self.config.voice_list, self.voice, message.voice, utterance_id=None)
+        for text in message.texts:
+            _checked(check_text, text, self.config.max_text_chars, utterance_id=None)
+        phrases = self.services.phrases
+        if phrases is None:
+            self.send(protocol.Prefetched(ready=[], pending=[], skipped=list(message.texts)))
+            return
+        task = asyncio.create_task(self._prefetch(phrases, synthesizer, message, voice))
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
+
+    async def _prefetch(self, phrases: PhraseCache, synthesizer: Synthesizer, message: Prefetch, voice: str) -> None:
+        try:
+            ready = await phrases.prefetch(synthesizer, message.texts, voice, message.language)
+        except Exception:  # a bug must cost this message, never the session
+            log.exception("session %s: prefetch failed", self.id)
+            self.send_error("internal_error", "the prefetch could not be handled")
+            return
+        marked = list(zip(message.texts, ready, strict=True))
+        self.send(protocol.Prefetched(ready=[t for t, r in marked if r], pending=[t for t, r in marked if not r],
+                                      skipped=[]))
 
     def repeat(self, message: Repeat) -> None:
         """Play (words of) a recent utterance again, from the session's recordings: no engine request."""
@@ -310,7 +343,7 @@ class Session:
         self.speaker.clear_pending()
         self.timelines.close()
         current = asyncio.current_task()
-        for task in (*self.speaker.tasks(), self._watchdog):
+        for task in (*self.speaker.tasks(), *self._prefetches, self._watchdog):
             if task is not current and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

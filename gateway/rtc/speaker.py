@@ -9,8 +9,10 @@ import logging
 from typing import Any, Protocol
 
 from gateway.media.playout import PlayoutTrack
+from gateway.phrases.speech import CachedChunk, cached_sentences
 from gateway.rtc.services import SessionServices
 from gateway.rtc.timeline import UtteranceTimelines, play_recording
+from gateway.rtc.timings import SentenceTimings
 from gateway.rtc.utterance import Utterance
 from gateway.service.errors import CapacityError
 from gateway.speech.errors import EngineError, EngineUnavailableError, InvalidRequestError
@@ -107,10 +109,19 @@ class Speaker:
         utterance.stats = stats = UtteranceStats(
             started=utterance.received_at, playout_lead_s=functools.partial(self.track.lead_s, utterance.id),
             playout_lead_runs=functools.partial(self.track.lead_runs, utterance.id))
+        phrases = self.services.phrases
+        # Hits from the phrase cache, misses made once; a mixed-language utterance's spans go to their own voices.
+        if phrases is not None and phrases.applies(utterance.cache) and not utterance.mixed:
+            chunks = cached_sentences(phrases, synthesizer, utterance.sentence_stream(), utterance.voice, stats=stats)
+        else:
+            chunks = synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats)
         try:
-            async for chunk in synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats):
+            async for chunk in chunks:
                 if chunk.first_of_sentence:
-                    feed.sentence(chunk.sentence_index, chunk.sentence_text)
+                    entry = chunk.entry if isinstance(chunk, CachedChunk) else None
+                    stored = None if entry is None else SentenceTimings(entry.words, entry.visemes,
+                                                                        entry.timing_source)
+                    feed.sentence(chunk.sentence_index, chunk.sentence_text, stored=stored)
                 feed.push(chunk.pcm, last=chunk.last_of_sentence)
             feed.end()
             self.services.metrics.observe_synthesis(stats.tokens, stats.audio_s, stats.synthesis_s)

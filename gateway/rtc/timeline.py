@@ -328,16 +328,22 @@ class UtteranceFeed:
         self._current: SentenceState | None = None
         self._words = 0  # words of the sentences so far (the next sentence's first word)
 
-    def sentence(self, index: int, text: str, recorded: Sentence | None = None) -> None:
-        """Sentence `index` starts here (`recorded`: a repeat's piece, its audio and timings known)."""
+    def sentence(self, index: int, text: str, recorded: Sentence | None = None,
+                 stored: SentenceTimings | None = None) -> None:
+        """Sentence `index` starts here (`recorded`: a repeat's piece, its audio and timings known; `stored`: the
+        phrase cache's timings of this sentence, offsets into its own text)."""
         self._complete()
         utterance = self.timeline.utterance
         if recorded is None:
             start, end = utterance.spans[index] if index < len(utterance.spans) else (0, 0)
-            count = len(split_words(utterance.text[start:end]))
-            recorded = Sentence(index, text, start, end, self._words, count,
+            words = split_words(utterance.text[start:end])
+            recorded = Sentence(index, text, start, end, self._words, len(words),
                                 language=utterance.languages[index] if index < len(utterance.languages) else None)
-            self._words += count
+            self._words += len(words)
+            if stored is not None and len(stored.words) == len(words):  # the offsets of the text as sent here
+                moved = [replace(w, text=t.text, char_start=t.char_start, char_end=t.char_end)
+                         for w, t in zip(stored.words, words, strict=True)]
+                recorded.timings = _shifted(SentenceTimings(moved, stored.visemes, stored.source), start)
         state = SentenceState(recorded, self.in_samples, round(self.in_samples / self.timeline.rate))
         self.timeline.sentences.append(state)
         self._current = state

@@ -46,6 +46,7 @@ class Utterance:
     # Mixed-language text (`add_spans`): sentence k's espeak-ng language where its span names one, else None.
     languages: list[str | None] = field(default_factory=list)
     replay: ReplayPlan | None = None  # set for a repeat: played from a recording, no engine request
+    cache: bool | None = None  # `speak`'s `cache`: true a scripted line, false a private one, None not said
     _cursor: int = 0  # where the next sentence's search starts in `text`
 
     def add_text(self, text: str, more: bool) -> None:

@@ -1,0 +1,44 @@
+"""`POST /v1/audio/prefetch`: the `prefetch` message over HTTP. `{texts, voice?, language?}` (the message's fields)
+answers at once with the `prefetched` event's fields: `ready` (the phrase cache holds them: a speech request or
+`speak` of them makes no engine request), `pending` (made while the engine has room; ask again), `skipped` (the
+phrase cache is off). Errors in OpenAI's shape, as the speech route's."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from gateway.edge.http import GATEWAY_KEY, read_json_object
+from gateway.edge.speech_api import _reshaped, openai_error
+from gateway.rtc import protocol
+from gateway.speech.errors import ENGINE_RETRY_AFTER_S, InvalidRequestError
+
+PREFETCH_PATH = "/v1/audio/prefetch"
+
+
+async def prefetch(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY_KEY]
+    try:
+        body = await read_json_object(request, gateway.config.max_body_bytes)
+    except web.HTTPException as exc:
+        return _reshaped(exc)
+    synthesizer = gateway.synthesizer
+    if synthesizer is None or not gateway.ready:
+        return openai_error(503, "engine_unavailable", "the speech engine is not ready",
+                            headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+    try:
+        message = msgspec.convert({**body, "type": "prefetch"}, protocol.Prefetch)
+        voice = synthesizer.resolve_voice(message.voice)
+        for text in message.texts:
+            synthesizer.check_text(text)
+    except msgspec.ValidationError as exc:
+        return openai_error(400, "invalid_prefetch", str(exc))
+    except InvalidRequestError as exc:
+        return openai_error(400, exc.code, str(exc))
+    phrases = gateway.phrases
+    if phrases is None:
+        return web.json_response(protocol.to_dict(protocol.Prefetched(ready=[], pending=[], skipped=message.texts)))
+    ready = await phrases.prefetch(synthesizer, message.texts, voice, message.language)
+    marked = list(zip(message.texts, ready, strict=True))
+    event = protocol.Prefetched(ready=[t for t, r in marked if r], pending=[t for t, r in marked if not r], skipped=[])
+    return web.json_response(protocol.to_dict(event))
