@@ -27,4 +27,9 @@ if [ "$browser" = 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
+# Debian's redis-server: the phrase cache's shared store (--phrase-cache-url); tests start their own on a free port.
+if [ ! -x /usr/bin/redis-server ] && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
 .venv/bin/python -c "import gateway, vllm, snac, aiortc; print('orpheus-gateway installed:', vllm.__version__)"

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -32,7 +33,15 @@ from gateway.cluster.addressing import (
 )
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.http import OFFER_PATH
-from tests.support import TEST_MAX_TOKENS, VllmServer, chromium, free_port, needs_chromium, offer_sdp
+from tests.support import (
+    TEST_MAX_TOKENS,
+    VllmServer,
+    chromium,
+    free_port,
+    needs_chromium,
+    offer_sdp,
+    poll_until,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -106,7 +115,9 @@ def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, roo
            "--max-num-seqs", str(vllm_server.config.max_num_seqs), "--warmup-batch-sizes", "2",
            "--jitter-buffer-ms", "0", "--log-level", "warning", "--max-sessions", str(MAX_SESSIONS),
            "--max-in-flight-utterances", str(MAX_IN_FLIGHT),
-           "--snac-placement", "shared"]  # one SNAC process decodes for all workers (gateway.cluster.snac_process)
+           "--snac-placement", "shared",  # one SNAC process decodes for all workers (gateway.cluster.snac_process)
+           # lines sent with `cache: true` only (no other test sends it): the host's on-disk phrase cache
+           "--phrase-cache", "marked", "--phrase-cache-dir", str(root / "phrases")]
     log = root / "serve.log"
     return Workers(_start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log), port, sockets, log)
 
@@ -250,6 +261,28 @@ async def test_an_offer_a_full_worker_cannot_take_goes_to_a_worker_that_can(work
             for session_id in ended:
                 status, _ = await _delete(http, workers.url, session_id)
                 assert status == 204
+
+
+async def test_workers_share_the_phrase_cache_of_their_host(workers: Workers, vllm_server: VllmServer) -> None:
+    """`--phrase-cache marked`: a line sent with `cache: true` through worker 0 is played by worker 1 from the host's
+    on-disk cache (one SQLite file), the same samples, without an engine request."""
+    body = {"input": "Shared by the workers of a host.", "response_format": "pcm", "cache": True}
+    async with workers.http(0) as http, http.post("http://worker/v1/audio/speech", json=body) as resp:
+        assert resp.status == 200
+        made = await resp.read()
+    database = workers.sockets.parent / "phrases" / "phrases.sqlite3"
+
+    def stored() -> bool:
+        with contextlib.closing(sqlite3.connect(database)) as db, contextlib.suppress(sqlite3.OperationalError):
+            return db.execute("SELECT count(*) FROM phrases").fetchone()[0] == 1
+        return False
+
+    poll_until(stored, "worker 0 did not store the line")
+    before = await vllm_server.metric("vllm:request_success_total")
+    async with workers.http(1) as http, http.post("http://worker/v1/audio/speech", json=body) as resp:
+        assert resp.status == 200
+        assert await resp.read() == made
+    assert await vllm_server.metric("vllm:request_success_total") == before
 
 
 async def test_utterances_count_against_one_limit_across_workers(workers: Workers) -> None:

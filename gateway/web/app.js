@@ -6,7 +6,7 @@
 import { Avatar } from './avatar.js';
 import { TutorConnection } from './connection.js';
 import { SpokenUtterance, heardRtp, highlightWord, renderWords } from './karaoke.js';
-import { SLOW_RATE, forgetRecordings, renderPhrases } from './lesson.js';
+import { SLOW_RATE, forgetRecordings, prefetchMessage, renderPhrases } from './lesson.js';
 import { connectErrorMessage, eventErrorMessage, lostMessage } from './messages.js';
 import { jitterBufferMaxMs, loadProtocolSchema } from './protocol.js';
 import { Reconnector, isRetryable, reconnectsAfter } from './reconnect.js';
@@ -263,7 +263,8 @@ function speak(text, button, { rate = 1, phrase = null } = {}) {
   utterances.set(id, { text, button, phrase, rate, spoken: new SpokenUtterance(id, text) });
   button?.classList.remove('cut');
   button?.classList.add('waiting');
-  connection.speak(id, text, { voice: ui.voice.value, interrupt: ui.interrupt.checked, rate });
+  connection.speak(id, text, { voice: ui.voice.value, interrupt: ui.interrupt.checked, rate,
+    cache: phrase ? true : undefined }); // the script's lines are shared (phrase cache); typed text is not marked
   log(`Asked to say “${shorten(text)}”${rate === 1 ? '' : ` at ${rate}×`} (${id})`);
 }
 
@@ -359,6 +360,7 @@ function onMessage(msg) {
       reconnector.reset(); // up: a later loss starts from the first attempt
       lessonUp = true;
       fillVoices(msg.voices, msg.voice);
+      connection?.send(prefetchMessage(msg.voice)); // the script's lines, made while the engine has room
       setState('ready');
       if (waited) clearError();
       setNow(again ? 'Connected again. Your tutor is ready: pick a phrase to hear it!'

@@ -157,10 +157,11 @@ export class TutorConnection extends EventTarget {
     return true;
   }
 
-  speak(id, text, { voice, interrupt = false, rate = 1 } = {}) {
+  speak(id, text, { voice, interrupt = false, rate = 1, cache } = {}) {
     const message = { type: 'speak', id, text, interrupt };
     if (voice) message.voice = voice;
     if (rate !== 1) message.rate = rate;
+    if (cache != null) message.cache = cache; // true: a scripted line the phrase cache may keep
     return this.send(message);
   }
 

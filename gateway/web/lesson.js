@@ -11,6 +11,14 @@ export const PHRASES = [
   { lang: 'en', text: 'Thank you, see you tomorrow.', meaning: 'Obrigado, até amanhã.' },
 ];
 
+/** The `prefetch` message of the lesson's script: the gateway makes the lines its phrase cache lacks while the
+ *  engine has room, so each button starts without an engine request (answered by `prefetched`). */
+export function prefetchMessage(voice) {
+  const message = { type: 'prefetch', texts: PHRASES.map((phrase) => phrase.text) };
+  if (voice) message.voice = voice;
+  return message;
+}
+
 const LANGUAGE_NAMES = { pt: 'Português', en: 'English' };
 
 export const SLOW_RATE = 0.7;
