@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import sys
+import wave
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -226,3 +230,29 @@ async def test_livekit_interruption_aborts_the_engine_request(gateway_url: tuple
     await wait_until(lambda: engine.in_flight == 0 and engine.unfinished_requests() == 0, EVENT_TIMEOUT_S)
     assert engine.requests_aborted == aborted + 1
     assert contexts_ended(gateway, "cancelled") == cancelled + 1
+
+
+# --- the examples --------------------------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("command", [["pipecat_lesson_bot.py"], ["livekit_agent.py", "offline"]])
+async def test_examples_speak_a_lesson_through_the_gateway(gateway_url: tuple[str, GatewayState],
+                                                           command: list[str], tmp_path: Path) -> None:
+    """Each example, run as a lesson developer would (the tutor's lines on stdin), writes the audio and prints the
+    words as they are timed."""
+    base, _ = gateway_url
+    out = tmp_path / "lesson.wav"
+    args = [sys.executable, str(EXAMPLES / command[0]), *command[1:], "-o", str(out)]
+    if command[0].startswith("pipecat"):
+        args += ["--gateway", base]
+    process = await asyncio.create_subprocess_exec(
+        *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "GATEWAY_URL": base})
+    output, _ = await asyncio.wait_for(process.communicate(b"Good morning, class. Open your books.\n"), 300)
+    text = output.decode(errors="replace")
+    assert process.returncode == 0, text[-3000:]
+    with wave.open(str(out)) as wav:
+        assert wav.getframerate() == 24000 and wav.getnframes() > 0
+    assert "books" in text and "audio:" in text, text[-3000:]
