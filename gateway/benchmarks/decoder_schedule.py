@@ -29,13 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gateway.benchmarks.records import first_audio_starts
+from gateway.benchmarks.start_policies import START_POLICIES
 from gateway.benchmarks.timing import simulate_playback
 from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
 from gateway.speech.codec.client import CodecStreamClient
 from gateway.speech.codec.server import StreamCodecServer
 from gateway.speech.decoder import Decoder
-from gateway.speech.first_audio import START_POLICIES
+from gateway.speech.first_audio import EXACT_OR_BRIDGE
 from gateway.speech.snac import StreamingSnac
 from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, StreamDecoder
 
@@ -53,7 +54,7 @@ class ScheduleRun:
     listener_ms: int
     hold_ms: float
     due_ms: float  # a stream with less lead is stepped at once
-    start: str  # how a first audio starts (`first_audio.START_POLICIES`)
+    start: str  # how a first audio starts (a name in `start_policies.START_POLICIES`)
     decoder: str  # DECODERS
     delivery_ms: float  # from the decoder to the listener
     pace: float  # generation speed, times real time
@@ -76,9 +77,9 @@ class ScheduleRun:
 
 
 async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float,
-                  due_s: float = DUE_LEAD_S, delivery_s: float = 0.0, start: str = START_POLICIES[0],
+                  due_s: float = DUE_LEAD_S, delivery_s: float = 0.0, start: str = EXACT_OR_BRIDGE.name,
                   where: str = DECODERS[0]) -> ScheduleRun:
-    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start=start)
+    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start=START_POLICIES[start])
     server: StreamCodecServer | None = None
     client: Decoder = decoder
     if where == "remote":
@@ -191,6 +192,13 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def _starts(text: str) -> list[str]:
+    chosen = text.split(",")
+    if unknown := [s for s in chosen if s not in START_POLICIES]:
+        raise argparse.ArgumentTypeError(f"unknown start {unknown[0]!r}: one of {', '.join(START_POLICIES)}")
+    return chosen
+
+
 def _decoders(text: str) -> list[str]:
     chosen = text.split(",")
     if unknown := [d for d in chosen if d not in DECODERS]:
@@ -228,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holds", type=_floats, default=[0.0, MAX_HOLD_S], help="seconds (0: step at every frame)")
     parser.add_argument("--due-ms", type=_floats, default=[DUE_LEAD_S * 1000],
                         help="due leads to compare, ms (default: the gateway's DUE_LEAD_S)")
-    parser.add_argument("--starts", type=lambda s: s.split(","), default=[START_POLICIES[0]],
+    parser.add_argument("--starts", type=_starts, default=[EXACT_OR_BRIDGE.name],
                         help=f"how first audio starts, to compare: {','.join(START_POLICIES)} "
-                             "(`first_audio.START_POLICIES`)")
+                             "(`start_policies.START_POLICIES`; the first is the gateway's)")
     parser.add_argument("--decoders", type=_decoders, default=[DECODERS[0]],
                         help=f"where the decoder runs, to compare: {','.join(DECODERS)} (remote: behind the SNAC "
                              "stream protocol on a Unix socket, as the shared SNAC process)")

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gateway.benchmarks.start_policies import BRIDGE_AT_ONCE
 from gateway.benchmarks.timing import simulate_playback
 from gateway.devtools.devmodels import random_frames
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, Frame
@@ -130,7 +131,7 @@ def table(runs: list[FastStartRun]) -> str:
 
 
 async def main_async(args: argparse.Namespace, report: Callable[[str], None]) -> list[FastStartRun]:
-    decoder = StreamDecoder(load_snac(args.snac), start="bridge-at-once")  # wall-clock pace: not the model's
+    decoder = StreamDecoder(load_snac(args.snac), start=BRIDGE_AT_ONCE)  # wall-clock pace: not the model's
     runs = []
     try:
         await run_one(decoder, random_frames(8, seed=99), "bridge-la0", 3.0, args.dilation)  # warm-up, not counted

@@ -1,16 +1,7 @@
-"""When a sentence's first audio goes out, and from where: the arithmetic of the fast start, which
-`stream_decoder.StreamDecoder` applies to each stream (`_first_audio_at`), and the generation pace it reads
-(`GenerationPace`). Numbers only: no threads, no torch.
-
-A first audio comes from the bridge (`snac_stream.StreamingSnac.bridge`) once a stream's head is in. The exact
-stream runs 2709 samples (113 ms) further behind its input than the bridge, so handing over from the bridge costs
-the listener that much lead once, and at a loaded pace (1.0-1.3x real time) the bridge's 8 head frames cannot build
-it: a listener without a buffer paused right after its first words. So the bridged start waits for the shortfall
-(`start_hold_s`, at most `MAX_START_HOLD_S` after the head). Or, where that wait is long, the first audio comes from
-the exact stream itself, with no bridge and no hand-over (`exact_start_hold_s`; chosen by `starts_exact`): sooner at
-real-time pace, and none of the bridge's work, which in a burst the whole batch's generation pays for. That work
-slows the pace the hold was measured at, so the choice weighs the bridge at the slower pace (`BRIDGE_PACE_FACTOR`,
-`bridged_start_hold_s`).
+"""When a sentence's first audio goes out, and from where: the arithmetic of the fast start (the bridge's held start,
+the exact start, the fast-start margin), the generation pace it reads (`GenerationPace`), and the gateway's start
+policy (`EXACT_OR_BRIDGE`), which `stream_decoder.StreamDecoder` applies to each stream. Numbers only: no threads,
+no torch. The measurements behind each bound: docs/decisions/first-audio-start.md.
 
 May import: `gateway.orpheus` (model facts).
 """
@@ -19,6 +10,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
 
@@ -29,43 +22,30 @@ FIRST_EXACT_FRAMES = 3
 # would be enough, and a pace measured over the first frames of a burst is slower than what follows.
 MAX_START_HOLD_S = 0.22  # about the hand-over's own cost (`handover_lead_s`: 4757 samples and the margin)
 # How much later than a held bridge the exact stream may start a stream's audio and still be chosen
-# (`starts_exact`; a bridge that needs no hold is always kept: it starts at once, and at such a pace its GPU time
-# is to spare): a bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's generation
-# pays for (H100, 256 users: frames 2-5 came 87-93 ms apart after a first interval of 65, then 65 again). 80 ms:
-# with the bridge planned at the pace it leaves (`BRIDGE_PACE_FACTOR`), the exact start is chosen at measured
-# paces up to ~1.8x real time (one frame every 47 ms; at the measured pace itself it was ~1.33x), the bridge
-# above. Measured (engine level, 0 ms, one H100, same machine; docs/benchmarks.md 2026-12-05 night): with 80 ms and
-# `EXACT_START_MARGIN_S`, 124/209/384 of 128/256/384 kept real time; with 40 ms and no margin 105/40/27; the held
-# bridge alone 126/75/235.
+# (`starts_exact`; a bridge that needs no hold is always kept: it starts at once, and its GPU time is to spare): a
+# bridged start decodes up to 8 frames 3 times each, which in a burst the whole batch's generation pays for. With
+# `BRIDGE_PACE_FACTOR`, the exact start is chosen at measured paces slower than ~1.8x real time (a frame every
+# 47 ms), the bridge above (docs/decisions/first-audio-start.md).
 EXACT_START_PREFERENCE_S = 0.08
 # Lead an exact start's hold keeps beyond the tick margin: the pace after the head is often a little slower than
-# the head's (H100, 384 users: 84 ms, then 85-96), and without it most streams ran dry by a few ms at the 8th piece
-# (357 of 384 stalled, 1 ms median; with it none did).
+# the head's, and without it most streams ran dry by a few ms at the 8th piece (docs/decisions/first-audio-start.md).
 EXACT_START_MARGIN_S = 0.04
 # The pace a bridged start is planned at, in multiples of the one measured at its head: a burst's bridges (eager
-# decodes, 3 frames per frame) slow the whole batch's generation right after the head. Frames 2-5 came 1.35-1.45x
-# the first interval apart while bridges ran (H100 and H200, 128 and 256 users: 40 -> 54-59 ms, 60-69 -> 83-94),
-# 1.0-1.1x where the streams started exact (H100, 256: 68 -> 65-74). Planned at the measured pace, 256 listeners
-# without a buffer on an H200 (60 ms: no hold, bridge at once) all paused at their second or third piece (0 of 256
-# kept real time, bare vLLM 256). So a bridge is kept only while the measured pace is faster than ~1.8x real time
-# (a frame every 47 ms); slower, the exact start is chosen (`starts_exact`).
+# decodes, 3 frames per frame) slow the whole batch's generation right after the head, so a bridge is kept only
+# while the measured pace is faster than ~1.8x real time; slower, the exact start is chosen (`starts_exact`;
+# docs/decisions/first-audio-start.md).
 BRIDGE_PACE_FACTOR = 1.4
 # The generation pace every stream shows (`GenerationPace`): frame intervals of the pushes in this last window. Long
 # enough for a few frames of each stream at a loaded pace, short enough that a burst's slow pace is forgotten
 # within a second of its end.
 PACE_WINDOW_S = 0.5
 PACE_SAMPLES = 1024  # at most this many intervals in the window (256 streams at 1.2x push ~3600 frames a second)
-# How first audio starts (`StreamDecoder(start=...)`): from the exact stream or a held bridge, as `starts_exact`
-# says; from a held bridge only; from the bridge at once, as before the holds.
-START_POLICIES = ("exact-or-bridge", "bridge-held", "bridge-at-once")
 # The fast start (a first audio from the first frame alone, without its lookahead frame) is taken when the tokens
-# of the next two frames are due within a margin: `decode_fast_start_ms` (45), which guards against a burst of new
-# streams slowing the token rate right after the first frame (with 65, 16 of 128 streams started together stalled
-# 26 ms after it on an H200). A sentence that starts alone (no other sentence's first token within
-# `FAST_START_BURST_WINDOW_S`) has no burst beside it, so its margin is the first frame's own 85 ms less the next
-# frame's decode and delivery (~15 ms). Measured need: an H100 at one stream makes a token every ~4 ms, so its next
-# two frames take 56 ms; with 45 its first audio waited for the lookahead frame (TTFA p50 at 1: 67 ms over WebRTC
-# against the H200's 46, whose 3.2 ms a token passed by 0.2 ms).
+# of the next two frames are due within a margin: `decode_fast_start_ms`, which guards against a burst of new
+# streams slowing the token rate right after the first frame. A sentence that starts alone (no other sentence's
+# first token within `FAST_START_BURST_WINDOW_S`) has no burst beside it, so its margin is the first frame's own
+# 85 ms less the next frame's decode and delivery (~15 ms): enough for a card making a token every ~4 ms
+# (docs/decisions/first-audio-start.md).
 LONE_FAST_START_S = 0.07
 FAST_START_BURST_WINDOW_S = 0.2  # a burst's sentences get their first tokens within a few engine steps
 
@@ -81,8 +61,7 @@ def start_hold_s(received: int, interval_s: float, lead_s: float, handover_lead_
     (`head_frames` - 1) frames less the time from its start to that frame's arrival. The hand-over needs
     `handover_lead_s` less 3 frames' growth (`StreamDecoder._keeps_bridging`). Starting later by the shortfall gives the
     listener that much more at every point, the hand-over included: one wait at the start instead of a pause
-    after the first words (H200, 256 listeners without a buffer: every stream paused once, 41 ms on average,
-    right after its first piece)."""
+    after the first words."""
     growth = FRAME_S - interval_s
     need = handover_lead_s - 3 * max(growth, 0.0)
     last = head_frames + 1  # frames in when the bridge is over
@@ -157,9 +136,8 @@ def fast_start_margin_s(configured_s: float, others_starting: int, others_waitin
 
     A fast start bets that the token rate so far holds for two more frames. Sentences still waiting for their first
     token have their prefills ahead of the engine, which slow its next steps; and over `vllm serve` a burst's first
-    tokens can come in one clump (7 tokens in 3 ms), a rate no engine makes. Every server underrun of 256 WebRTC
-    peers without a buffer on an H100 (6 and 8 streams in two runs, 2026-12-06 midday) was such a start: the
-    burst's first streams, first audio 3-7 ms after their first frame, dry 60 ms later and again 80-160 ms after."""
+    tokens can come in one clump (7 tokens in 3 ms), a rate no engine makes: such starts were the server underruns
+    of a burst without buffers (docs/decisions/first-audio-start.md)."""
     if configured_s <= 0 or others_waiting > 0:
         return 0.0
     if others_starting > 0:
@@ -174,3 +152,21 @@ def fast_start_in_time(tokens: int, since_first_token_s: float, needed_tokens: i
         return False
     per_token_s = since_first_token_s / (tokens - 1)
     return (needed_tokens - tokens) * per_token_s <= margin_s
+
+
+@dataclass(frozen=True)
+class StartPolicy:
+    """How a stream's first audio starts once its head is in and a pace is read (`StreamDecoder._first_audio_at`):
+    whether it waits for what the hand-over will cost (`held`; else at once, from the bridge), whether and when it
+    comes from the exact stream instead (`starts_exact`; None: never), and the bridged start's hold
+    (`bridged_hold_s`). Both callables take (received, interval_s, lead_s, delay_s, head_frames)."""
+
+    name: str
+    bridged_hold_s: Callable[[int, float, float, float, int], float]
+    starts_exact: Callable[[int, float, float, float, int], bool] | None = None
+    held: bool = True
+
+
+# The gateway's start: from the exact stream or a held bridge, whichever `starts_exact` says suits the pace, the
+# bridge planned at the pace its own work leaves.
+EXACT_OR_BRIDGE = StartPolicy("exact-or-bridge", bridged_hold_s=bridged_start_hold_s, starts_exact=starts_exact)

@@ -1,44 +1,11 @@
-"""The exact streaming SNAC decoder (`snac_stream.StreamingSnac`) serving every sentence of a process: one worker
-thread owns it, and each step advances all streams that have a frame to decode in one batched launch.
-
-Deadline scheduling: a step costs the GPU almost as much for 14 streams as for 64 (H200, compiled bf16: ~1 ms
-against 1.7; 256: 6 ms), and each step delays the engine's own. So the worker steps when a ready stream is due
-(its audio runs less than `DUE_LEAD_S` ahead of its listener) or the last step is `MAX_HOLD_S` old; streams with
-lead to spare wait for that step and join it. At 256 users (engine level) stepping at every new frame ran 1260
-steps of 14 streams in 8.1 s (H200); with a 50 ms due lead, 244 steps of 74 (H100). Generation beside SNAC ran
-1.22x and 1.19x slower than alone: the step count was not what slowed it (docs/benchmarks.md, 2026-12-05 night).
-A step takes the ready streams by lead, least first, up to `max_batch`; a stream far ahead waits a step when
-the batch is full.
-
-Fast start: a stream's first audio comes from `StreamingSnac.bridge` (an approximate decode of its latest
-frames, crossfaded into what follows) as soon as `1 + lookahead` frames are in (lookahead 0 when the engine's
-tokens come fast, else 1), or as soon as its sentence ends. The exact stream hands out audio 4757 samples (2.3
-frames) behind its input, 2709 samples later than the bridge with one frame of lookahead; taking over from the
-bridge therefore costs that much lead once. So the bridge goes on with each new frame until the stream's lead
-covers the hand-over (`handover_lead_s`: 4757 samples, 198 ms, at real-time generation pace; less when the
-lead grows, see `_keeps_bridging`) or it reaches the head's end (8 frames), or stops early when the lead is not
-going to get there in time; then the exact stream takes over with a crossfade. Where the pace the first frames
-showed cannot get the lead there by the head's end, the first audio waits for the shortfall (`first_audio`'s
-`start_hold_s`): a listener without a buffer then hears no pause at the hand-over. Where the exact stream alone
-would start no more than 80 ms later than that held bridge (`first_audio.starts_exact`), the first audio comes
-from the exact stream and nothing is bridged: no hand-over, and none of the bridge's 3 decoded frames per frame,
-which in a burst of 256 starts slowed every stream's generation (H100: 65 -> 93 ms a frame over the bridges'
-frames). The bridged start is planned at the pace its bridges leave (`first_audio.BRIDGE_PACE_FACTOR`, 1.4x the
-measured interval), so the exact start is chosen at paces slower than ~1.8x real time. Engine level, 0 ms
-listeners, one H100: 124/209/384 of 128/256/384 kept real time with the exact start planned at the measured pace,
-against 126/75/235 with the held bridge alone. The pace both read is the slower of the stream's own and every
-stream's recent one (`first_audio.GenerationPace`). A stream whose listener buffers hands over at once (its lead
-counts the listener's jitter buffer: a WebRTC track's from the start, since a listener waiting for its buffer to
-fill cannot run dry, only start later).
-
-The event loop only enqueues commands and awaits chunks; nothing here blocks it. Opening a stream enqueues nothing:
-its open goes to the worker with its first push or finish. Each command that finds the worker asleep wakes it,
-and the woken worker takes the GIL the next time the event loop lets go of it (the tokenizer does, in every
-`build_prompt`) and keeps it through its loop, so an open per sentence start made the event loop and the worker
-trade the GIL once per sentence of a burst (CPU, tiny model, 128 starts at once: ~50 wake-ups, the starts' hand-off
-to vLLM 52 -> 38 ms without them). For the same reason a loop iteration's commands (256 streams push ~3000 frames
-a second, many of them in the iteration that handles one engine step) go to the worker as one item, once the
-iteration's other callbacks have run.
+"""The exact streaming SNAC decoder (`snac.StreamingSnac`) serving every sentence of a process: one worker thread owns
+it, and each step advances all streams that have a frame to decode in one batched launch. It steps when a ready
+stream is due (its audio runs less than `DUE_LEAD_S` ahead of its listener) or the last step is `MAX_HOLD_S` old, so
+streams with lead to spare join one step; a stream's first audio comes from the bridge or the exact stream as the
+start policy (`first_audio`) says, and the bridge goes on until the stream's lead covers the hand-over. The event
+loop only enqueues commands (one queue item per loop iteration, a stream's open with its first push: each wake-up
+takes the GIL from the loop) and awaits chunks; nothing here blocks it. Why: docs/decisions/snac-step-timing.md and
+docs/decisions/first-audio-start.md.
 """
 
 from __future__ import annotations
@@ -57,15 +24,13 @@ import numpy as np
 
 from gateway.orpheus import SAMPLE_RATE, Frame
 from gateway.speech.first_audio import (
+    EXACT_OR_BRIDGE,
     FIRST_EXACT_FRAMES,
     FRAME_S,
     MAX_START_HOLD_S,
-    START_POLICIES,
     GenerationPace,
-    bridged_start_hold_s,
+    StartPolicy,
     exact_start_hold_s,
-    start_hold_s,
-    starts_exact,
 )
 
 if TYPE_CHECKING:  # torch loads with the decoder, not with this module (the codec server imports it, torch-free)
@@ -74,19 +39,18 @@ if TYPE_CHECKING:  # torch loads with the decoder, not with this module (the cod
 log = logging.getLogger(__name__)
 
 STEPS_BEFORE_AUDIO = FIRST_EXACT_FRAMES - 1  # a stream's first 2 steps emit nothing (4096 < 4757 samples of delay)
-BRIDGE_CROSSFADE = 512  # samples: halves the hand-over error of a 256-sample fade (snac_stream docstring)
-# Lead beyond the hand-over's own need: a tick's decode and delivery (~15 ms at 256 streams on an H200).
+# Samples of the bridge's crossfades: halves the hand-over error of a 256-sample fade
+# (docs/decisions/snac-exactness-and-bridge.md).
+BRIDGE_CROSSFADE = 512
+# Lead beyond the hand-over's own need: a tick's decode and delivery (~15 ms at 256 streams).
 HANDOVER_MARGIN_S = 0.02
 # Frames a stream's first audio waits for beyond its own unless the tokens come fast (then 0): one frame of right
-# context is where the bridge's error falls to the crossfade's scale (`snac_stream`'s window measurements).
+# context is where the bridge's error falls to the crossfade's scale (docs/decisions/snac-exactness-and-bridge.md).
 FIRST_AUDIO_LOOKAHEAD = 1
-# A stream whose audio runs less than this ahead of its listener is stepped now. Its audio must then reach the
-# playout before the lead runs out, through the worker's longest tick (engine level, H100: 67 ms at 384 streams,
-# 144 at 448) and, with the shared SNAC process, a socket and a busy worker's event loop. With the decoder alone
-# and a 60 ms trip to the listener (benchmarks.decoder_schedule, H200, 500 ms listeners) neither 50 nor 200 ms stalled
-# a stream at 256 or 384; 200 ms cut the longest tick at 384 from 60 to 24 ms and first audio p50 from 197 to 171
-# ms. (The lessons' collapse over WebRTC it was raised for came from workers and the lead's model instead:
-# docs/benchmarks.md, 2026-12-05 afternoon.) Listeners at 0 ms are below it from their first audio on.
+# A stream whose audio runs less than this ahead of its listener is stepped now: its audio must then reach the
+# playout before the lead runs out, through the worker's longest tick under load and, with the shared SNAC process,
+# a socket and a busy worker's event loop (docs/decisions/snac-step-timing.md). Listeners at 0 ms are below it from
+# their first audio on.
 DUE_LEAD_S = 0.2
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
@@ -117,9 +81,8 @@ class DecodeStats:
     exact_starts: int = 0  # streams whose first audio came from the exact stream (`_first_audio_at`), no bridge
     # First audios out (`StreamDecoder._note_first_audio`): how many, and summed over them the time from the head
     # ready to the first audio (the start's hold and the wait for its decode), and the generation pace
-    # (seconds per frame) the start was planned at, where it read one (`paced_starts` of them). Over WebRTC the
-    # hold after the first frame was 170 ms at 128 peers against 82 in process (H100, 2026-12-06 midday): these
-    # say whether the pace read is what differs.
+    # (seconds per frame) the start was planned at, where it read one (`paced_starts` of them): whether the pace
+    # read is what makes a start's hold differ between two setups (docs/decisions/first-audio-start.md).
     first_audios: int = 0
     start_hold_s: float = 0.0
     paced_starts: int = 0
@@ -168,18 +131,13 @@ class StreamDecoder:
 
     def __init__(self, snac: StreamingSnac, max_batch: int = 256,
                  on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S,
-                 due_lead_s: float = DUE_LEAD_S, start: str = START_POLICIES[0],
+                 due_lead_s: float = DUE_LEAD_S, start: StartPolicy = EXACT_OR_BRIDGE,
                  on_first_audio: Callable[[bool, float, float | None], None] | None = None) -> None:
         self.snac = snac
         self.max_batch = max_batch
         self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
         self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
-        # How a first audio starts (`_first_audio_at`): from the exact stream or a held bridge, whichever suits
-        # the pace; from a held bridge only; from the bridge at once, as before the hold (benchmarks compare them;
-        # benchmarks.fast_start runs in dilated time, where the wall-clock pace the holds read is not the model's).
-        if start not in START_POLICIES:
-            raise ValueError(f"start must be one of {', '.join(START_POLICIES)}, not {start!r}")
-        self.start = start
+        self.start = start  # how a first audio starts (`_first_audio_at`; benchmarks compare others)
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
         # (from the exact stream, seconds from the head ready, the pace planned at or None): the metrics hook
         self.on_first_audio = on_first_audio
@@ -363,7 +321,7 @@ class StreamDecoder:
         flushes it) and while the pace is unknown (one push so far: a fast start, from the bridge); else, at the
         pace `_pace_s` reads, held by `start_hold_s` from its latest frame for a bridged start, by
         `exact_start_hold_s` for one from the exact stream, either at most `MAX_START_HOLD_S` after its head was
-        ready. Which of the two it is is decided once, at the first pace read (`start`, `starts_exact`).
+        ready. Which of the two it is is decided once, at the first pace read (the `start` policy).
         A later frame may move the start later, never sooner: the hold reaches 7 intervals ahead, so a frame that
         came a few ms early would otherwise cancel it (a 1.2x pace's third frame comes before its hold ends)."""
         handle = stream.handle
@@ -372,22 +330,20 @@ class StreamDecoder:
             return 0.0 if handle.received > 0 else None
         if handle.received < stream.lookahead + 1:
             return None
-        if self.start == "bridge-at-once" or stream.frames_after_first == 0 or stream.first_push_at is None \
+        if not self.start.held or stream.frames_after_first == 0 or stream.first_push_at is None \
                 or stream.head_ready_at is None:
             return 0.0
         interval = self._pace_s(stream)
         lead = stream.lead_s()
         if stream.exact_start is None:
             stream.start_pace_s = interval
-            stream.exact_start = self.start == "exact-or-bridge" and starts_exact(
+            exact = self.start.starts_exact
+            stream.exact_start = exact is not None and exact(
                 handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
             if stream.exact_start:
                 stream.bridging = False
                 self.stats.exact_starts += 1
-        if stream.exact_start:
-            hold_s = exact_start_hold_s
-        else:  # the held bridge alone (`bridge-held`) plans at the measured pace, as before the exact start
-            hold_s = bridged_start_hold_s if self.start == "exact-or-bridge" else start_hold_s
+        hold_s = exact_start_hold_s if stream.exact_start else self.start.bridged_hold_s
         hold = hold_s(handle.received, interval, lead, self.handover_lead_s, self.snac.HEAD_FRAMES)
         at = min(stream.last_push_at + hold, stream.head_ready_at + MAX_START_HOLD_S)
         stream.start_at = max(stream.start_at, at)
