@@ -11,10 +11,11 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from gateway.config import GatewayConfig
@@ -191,24 +192,56 @@ def _mutated_sdp(real_lines: list[str], data: st.DataObject) -> str:
 
 # --- tokens and origins ------------------------------------------------------------------------------
 
+STATIC_TOKEN, SESSION_SECRET, LISTED_ORIGIN = "x" * 16, "s" * 16, "https://school.example"
+
+
 @FUZZ
 @given(token=st.text(max_size=300) | st.builds(lambda a, b: f"{a}.{b}", st.text(max_size=50), st.text(max_size=50)))
-def test_any_token_is_accepted_or_refused_with_401(token: str) -> None:
-    policy = AccessPolicy.from_lists(["x" * 16], ["s" * 16], [])
-    try:
-        policy.authenticate(token)
-    except AuthError as exc:
-        assert exc.status == 401
-    try:
-        verify_session_token(["s" * 16], token)
-    except AuthError as exc:
-        assert exc.status == 401
+def test_any_token_but_the_configured_one_is_refused_with_401(token: str) -> None:
+    """docs/operations.md: a bad token gets 401. Neither a static token nor an HMAC signature can be guessed, so
+    every drawn token but the configured static one is refused, by the policy and by the session-token check."""
+    policy = AccessPolicy.from_lists([STATIC_TOKEN], [SESSION_SECRET], [])
+    if token != STATIC_TOKEN:
+        with pytest.raises(AuthError) as refused:
+            policy.authenticate(token)
+        assert refused.value.status == 401
+    with pytest.raises(AuthError) as refused:
+        verify_session_token([SESSION_SECRET], token)
+    assert refused.value.status == 401
 
 
 @FUZZ
 @given(origin=st.text(max_size=100), host=st.text(max_size=40) | st.none())
-def test_any_origin_is_allowed_or_refused_with_403(origin: str, host: str | None) -> None:
-    try:
-        AccessPolicy.from_lists([], [], ["https://school.example"]).check_origin(origin, [host])
-    except AuthError as exc:
-        assert exc.status == 403
+def test_any_origin_but_the_listed_or_same_one_is_refused_with_403(origin: str, host: str | None) -> None:
+    """docs/operations.md: a bad origin gets 403. Drawn text is neither the listed origin nor the request's own
+    host (a drawn pair that happens to be is skipped), so it is refused."""
+    netloc = urlsplit(origin.strip().lower()).netloc if origin.isascii() else ""
+    assume(origin.strip().lower().rstrip("/") != LISTED_ORIGIN)
+    assume(not netloc or host is None or netloc != host.strip().lower())
+    with pytest.raises(AuthError) as refused:
+        AccessPolicy.from_lists([], [], [LISTED_ORIGIN]).check_origin(origin, [host])
+    assert refused.value.status == 403
+
+
+@pytest.mark.engine
+@settings(FUZZ, max_examples=HTTP_EXAMPLES)
+@given(data=st.data())
+async def test_whep_offer_bodies_get_an_answer_or_a_json_error(fuzz_server: tuple[str, GatewayState],
+                                                               real_offer_lines: list[str],
+                                                               data: st.DataObject) -> None:
+    """WHEP's body is the SDP itself: mutated offers and arbitrary bytes get 201 with an SDP answer, or a JSON
+    error (4xx/503), never a 500."""
+    if data.draw(st.booleans()):
+        body = _mutated_sdp(real_offer_lines, data).encode("utf-8", "surrogatepass")
+    else:
+        body = data.draw(st.binary(max_size=300) | st.text(max_size=200).map(lambda t: t.encode("utf-8",
+                                                                                           "surrogatepass")))
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{fuzz_server[0]}{fuzz_server[1].config.whep_path}", data=body,
+            headers={"Content-Type": "application/sdp"}) as resp:
+        if resp.status == 201:
+            event("status 201")
+            assert resp.content_type == "application/sdp" and resp.headers["Location"]
+            assert (await resp.text()).startswith("v=0")
+        else:
+            await _check_response(resp)

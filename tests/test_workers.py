@@ -396,7 +396,8 @@ async def test_one_snac_process_decodes_for_every_worker_and_is_restarted(worker
                 break
             assert event["code"] == "synthesis_failed" and "SNAC server" in event["message"], event
             await asyncio.sleep(1)
-        assert restarted
+        assert workers.worker_pids("gateway.cluster.snac_process") == restarted, \
+            f"the restarted SNAC server spoke and stayed up (one, not restarted again):\n{workers.log_tail()}"
     finally:
         await peer.close()
 
