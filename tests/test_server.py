@@ -116,6 +116,7 @@ async def test_client_disconnect_aborts_request(client: TestClient, synthesizer:
         (json.dumps({"input": "hi", "stream_format": "chunks"}).encode(), 400, "invalid_stream_format"),
         (json.dumps({"input": "hi", "seed": 1.5}).encode(), 400, "invalid_seed"),
         (json.dumps({"input": "hi", "instructions": 7}).encode(), 400, "invalid_instructions"),
+        (json.dumps({"input": "hi", "model": 5}).encode(), 400, "invalid_model"),
         (json.dumps({"input": "x" * 5000}).encode(), 400, "text_too_long"),
         (json.dumps({"input": "x" * 70000}).encode(), 413, "body_too_large"),
         (b"\xff\xfe\x00garbage", 400, "invalid_json"),
