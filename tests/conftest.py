@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,59 @@ from gateway.media.avthreads import use_one_ffmpeg_thread
 from tests.support import TEST_STOP_PROBABILITY, VllmServer, coturn_server, free_port, tiny_config  # noqa: F401
 
 use_one_ffmpeg_thread()  # the test process runs sessions, as a gateway process does after its start
+
+
+# --- skips: in CI (CI=true) only these may skip; any other skip fails the run ---------------------------------
+
+# (test id, or its start; why that skip is expected where CI runs)
+ALLOWED_SKIPS: tuple[tuple[str, str], ...] = (
+    ("tests/test_avthreads.py::test_ffmpeg_would_start_thread_pools_without_the_setting",
+     "FFmpeg starts no thread pools on a one-core machine: nothing to compare"),
+)
+_skipped: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped.append((report.nodeid, reason))
+
+
+def unexpected_skips() -> list[tuple[str, str]]:
+    return [(nodeid, reason) for nodeid, reason in _skipped
+            if not any(nodeid.startswith(allowed) for allowed, _ in ALLOWED_SKIPS)]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    unexpected = unexpected_skips()
+    if unexpected and os.environ.get("CI") == "true":
+        terminalreporter.section("unexpected skips (CI=true: they fail the run)", red=True)
+        for nodeid, reason in unexpected:
+            terminalreporter.line(f"{nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("CI") == "true" and unexpected_skips() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def audited_endings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every `HeadlessPeer` a test makes is audited when the test ends: each utterance it was told of ended once,
+    with nothing about it after its end (`HeadlessPeer.ending_problems`)."""
+    from gateway.devtools.client import HeadlessPeer
+
+    peers: list[HeadlessPeer] = []
+    made = HeadlessPeer.__post_init__
+
+    def record(peer: HeadlessPeer) -> None:
+        made(peer)
+        peers.append(peer)
+
+    monkeypatch.setattr(HeadlessPeer, "__post_init__", record)
+    yield
+    problems = [f"peer {peer.session_id}: {problem}" for peer in peers for problem in peer.ending_problems()]
+    assert not problems, "utterances did not end exactly once:\n" + "\n".join(problems)
 
 
 @pytest.fixture(scope="session")

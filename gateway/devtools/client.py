@@ -235,6 +235,37 @@ class HeadlessPeer:
                 problems.append(f"{after} before {before}")
         return Endings(terminal, problems)
 
+    def ending_problems(self) -> list[str]:
+        """The exactly-once audit over every utterance this peer was told of, from its `queued` on (an id may be
+        spoken again once it ended): none ends twice (`done`/`cancelled`), none hears of itself after that, and
+        none is left without an ending while one accepted after it finished (utterances play in order). An
+        `error` naming a live utterance may refuse a later message about it (a piece, a duplicate), so it is
+        counted as an ending only where nothing about the utterance follows it."""
+        problems: list[str] = []
+        instances: list[tuple[str, list[str]]] = []  # (id, its event types from its `queued` on)
+        last: dict[str, list[str]] = {}  # each id's latest instance
+        for event in self.events:
+            uid, kind = event.message.get("id"), str(event.message.get("type"))
+            if not isinstance(uid, str):
+                continue
+            kinds = last.get(uid)
+            ended = kinds is not None and any(k in ("done", "cancelled") for k in kinds)
+            if kind == "queued" and (kinds is None or ended):
+                last[uid] = kinds = []
+                instances.append((uid, kinds))
+            elif kinds is None or (ended and kind == "error"):
+                continue  # a refusal of a message about no live utterance
+            kinds.append(kind)
+        finished_after = False
+        for uid, kinds in reversed(instances):
+            ends = [i for i, k in enumerate(kinds) if k in ("done", "cancelled")]
+            if ends and ends[0] < len(kinds) - 1:
+                problems.append(f"{uid}: {kinds[ends[0] + 1:]} after {kinds[ends[0]]}")
+            if not (ends or kinds[-1] == "error") and finished_after:
+                problems.append(f"{uid}: no ending, though an utterance accepted after it finished: {kinds}")
+            finished_after = finished_after or "done" in kinds
+        return problems
+
     def event_time(self, kind: str, utterance_id: str | None = None) -> float:
         return self.find(kind, utterance_id)[0].at
 
