@@ -32,4 +32,9 @@ if [ ! -x /usr/bin/redis-server ] && command -v apt-get >/dev/null; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
+# Debian's coturn: the TURN tests (tests/test_turn.py, the page's relay test) start its `turnserver` themselves.
+if ! command -v turnserver >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq coturn >/dev/null
+fi
 .venv/bin/python -c "import gateway, vllm, snac, aiortc; print('orpheus-gateway installed:', vllm.__version__)"

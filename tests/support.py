@@ -202,7 +202,7 @@ TURNSERVER = shutil.which("turnserver")
 
 
 needs_coturn = pytest.mark.skipif(TURNSERVER is None, reason="coturn's `turnserver` is not on PATH "
-                                  "(optional: `apt-get install coturn`; install.sh does not install it)")
+                                  "(install.sh installs Debian's coturn; `apt-get install coturn`)")
 
 
 

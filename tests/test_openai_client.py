@@ -14,6 +14,7 @@ import json
 from collections.abc import AsyncIterator
 
 import av
+import openai
 import pytest
 
 from gateway.config import GatewayConfig
@@ -21,8 +22,6 @@ from gateway.media.formats import FORMATS
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import running
-
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.engine
 

@@ -1,6 +1,6 @@
 """Estimated word timings on speech, not noise bursts: libespeak-ng (from the espeakng-loader wheel, through
 ctypes) speaks English and Portuguese sentences and reports where each word starts (its WORD events); the
-estimator must find those starts from the audio alone. Skipped where espeakng-loader is not installed."""
+estimator must find those starts from the audio alone. espeakng-loader is a dependency: a broken install fails here."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import itertools
 import os
 from collections.abc import Iterator
 
+import espeakng_loader
 import numpy as np
 import pytest
 
 from gateway.timing.words import estimate_word_timings, frame_levels_db, split_words, word_weight
-
-espeakng_loader = pytest.importorskip("espeakng_loader")
 
 SENTENCES = [
     ("en-us", "Hello there, my friend. It is a well-known fact."),

@@ -3,7 +3,7 @@
 Unit tests first (credentials checked against an HMAC computed here from its definition, settings refused by name),
 then the route on the real gateway (shared tiny engine), then a real `turnserver` started with the repo's
 docker/turnserver.conf: allocations with the gateway's credentials, and a whole session relayed through it.
-The coturn tests skip when `turnserver` is not on PATH (install.sh does not install it; `apt-get install coturn`).
+The coturn tests need `turnserver` on PATH (install.sh installs Debian's coturn); in CI their skip fails the run.
 """
 
 from __future__ import annotations

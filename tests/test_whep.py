@@ -317,7 +317,8 @@ def player_bundle() -> str:
 @pytest.mark.browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason=f"Chromium is not installed at {CHROMIUM} (install.sh installs it)")
 async def test_third_party_player_plays_the_gateway(served: tuple[str, GatewayState], player_bundle: str) -> None:
-    playwright_api = pytest.importorskip("playwright.async_api")
+    from playwright import async_api as playwright_api
+
     base, gateway = served
     async with playwright_api.async_playwright() as playwright:
         browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
