@@ -20,6 +20,7 @@ from gateway.media.playout import (
     FRAME_MS,
     FRAME_SAMPLES,
     FRAME_SECONDS,
+    REANCHOR_LATENESS_S,
     SAMPLE_RATE_IN,
     SAMPLE_RATE_OUT,
     Marker,
@@ -73,11 +74,6 @@ def kinds(events: list[PlayoutEvent]) -> list[str]:
     return names
 
 
-def _stall_event_loop(seconds: float) -> None:
-    # Deliberately blocks the loop, like a slow synchronous call in a real server.
-    time.sleep(seconds)
-
-
 async def drain(track: PlayoutTrack, events: list[PlayoutEvent], utterance_id: str, limit: int = 10_000) -> list:
     """recv until `utterance_id` finishes; return its frames' samples."""
     out = []
@@ -118,55 +114,76 @@ async def test_frame_format_and_pts() -> None:
 # ---------------------------------------------------------------- pacing
 
 
+class SteppedClock:
+    """The track's clock: the machine's, plus whatever time a test makes pass at once (a stall the track must
+    see, without blocking the loop: a loaded machine adds its own lateness, never takes any away)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self.reads: list[float] = []
+
+    def __call__(self) -> float:
+        now = time.monotonic() + self.offset
+        self.reads.append(now)
+        return now
+
+    def now(self) -> float:
+        return time.monotonic() + self.offset
+
+
 @pytest.mark.asyncio
 async def test_real_pacing_20ms_without_bursts() -> None:
-    track = PlayoutTrack()
+    """Each frame leaves at or after its slot on the track's clock (anchor + k * 20 ms): never ahead, so never a
+    burst; and the track keeps its anchor (a slow machine only makes frames late, it moves no slot)."""
+    clock = SteppedClock()
+    track = PlayoutTrack(clock=clock)
     track.begin_utterance("u", 0)
     track.push_pcm("u", ms_of_pcm(200))  # audio and then silence: both paced
     stamps = []
     for _ in range(26):
         await track.recv()
-        stamps.append(time.monotonic())
-    gaps = np.diff(stamps)
-    assert 0.018 <= gaps.mean() <= 0.024, gaps
-    assert gaps.min() >= 0.010, gaps  # never a burst
-    assert 0.48 <= stamps[-1] - stamps[0] <= 0.56
+        stamps.append(clock.now())
+    anchor = clock.reads[0]
+    early = [k for k, at in enumerate(stamps) if at < anchor + k * FRAME_SECONDS - 1e-4]
+    assert not early, f"frames {early} left before their slot"
+    assert track.stats().reanchors == 0 or max(np.diff([anchor, *stamps])) > REANCHOR_LATENESS_S
 
 
 @pytest.mark.asyncio
 async def test_catches_up_after_a_short_delay() -> None:
-    """A loop that was busy for 3 frames: those frames go out at once, then the clock is kept."""
-    track = PlayoutTrack()
+    """The track's clock jumps 3.5 frames (a loop busy for 70 ms): those frames go out without waiting, then the
+    original slots are kept (no re-anchoring)."""
+    clock = SteppedClock()
+    track = PlayoutTrack(clock=clock)
     for _ in range(3):
         await track.recv()
-    t_start = time.monotonic()
-    _stall_event_loop(0.07)  # 3.5 frames late
+    anchor = clock.reads[0]
+    clock.offset += 0.07  # 3.5 frames late
     for _ in range(3):
         await track.recv()
-    t_caught_up = time.monotonic()
-    for _ in range(5):
-        await track.recv()
-    t_end = time.monotonic()
     assert track.stats().reanchors == 0
-    assert t_caught_up - t_start < 0.09  # no extra waiting for the late frames
-    assert 0.08 <= t_end - t_caught_up <= 0.12  # then 20 ms per frame, on the original clock
+    for k in range(6, 11):
+        await track.recv()
+        assert clock.now() >= anchor + k * FRAME_SECONDS - 1e-4, "then each frame waits for its original slot"
+    assert track.stats().reanchors == 0
 
 
 @pytest.mark.asyncio
 async def test_reanchors_after_a_stall_instead_of_bursting() -> None:
-    track = PlayoutTrack()
+    """The track's clock jumps 15 frames (a stall): the late frame goes at once and the clock is re-anchored there,
+    so the next frames wait a full period each instead of going out as a backlog."""
+    clock = SteppedClock()
+    track = PlayoutTrack(clock=clock)
     for _ in range(3):
         await track.recv()
-    _stall_event_loop(0.3)  # 15 frames late
-    t0 = time.monotonic()
+    clock.offset += 0.3  # 15 frames late
+    first_read = len(clock.reads)
     await track.recv()  # late already: returned at once, clock re-anchored
-    t1 = time.monotonic()
-    await track.recv()
-    await track.recv()
-    t3 = time.monotonic()
-    assert t1 - t0 < 0.010
     assert track.stats().reanchors == 1
-    assert t3 - t1 >= 0.035  # two more full periods, not a backlog burst
+    reanchored = clock.reads[first_read]  # the slot wait's reading: the new anchor
+    await track.recv()
+    await track.recv()
+    assert clock.now() >= reanchored + 2 * FRAME_SECONDS - 1e-4, "two more full periods, not a backlog burst"
 
 
 @pytest.mark.asyncio
