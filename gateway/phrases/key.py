@@ -62,6 +62,9 @@ class PhraseKey:
     def of(cls, config: GatewayConfig, voice: str, language: str, text: str,
            seed: int | None = None) -> PhraseKey:
         seed = config.seed if seed is None else seed
+        table = config.model_table
+        if voice in table.model_of_voice:  # the voice's own checkpoint and sampling (several models served)
+            config = config.for_model(table.model_for(voice).name)
         return cls(model=checkpoint_identity(config.model), codec=checkpoint_identity(config.snac_model),
                    voice=voice, language=language, text=normalise_text(text), temperature=config.temperature,
                    top_p=config.top_p,

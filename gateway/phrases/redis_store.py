@@ -13,7 +13,7 @@ import time
 
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 KEY_PREFIX = "orpheus:phrases:"
 TIMEOUT_S = 0.5  # a Redis slower than this for one call counts as down for it (a miss, never a held utterance)
