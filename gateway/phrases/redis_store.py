@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
 from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 KEY_PREFIX = "orpheus:phrases:"
 TIMEOUT_S = 0.5  # a Redis slower than this for one call counts as down for it (a miss, never a held utterance)
