@@ -1,5 +1,6 @@
 """Media: what happens to PCM after synthesis. Each session's paced 20 ms playout track with its jitter buffer
-(`playout.PlayoutTrack`, which owns time, with an injectable clock) and its Opus stage (`encoder.OpusTrack`).
+(`playout.PlayoutTrack`, which owns time, with an injectable clock) and its Opus stage (`encoder.OpusTrack`);
+the HTTP formats (`formats`) and raw PCM at a client's rate (`pcm_out`).
 
 Owns: playout, Opus encoding, the output format (48 kHz, mono, s16), and its exceptions (`errors`).
 May import: `gateway.config`, `gateway.orpheus`, av, numpy, aiortc's track types. Not `gateway.speech`: media
