@@ -135,10 +135,17 @@ async def test_bad_input_gets_cartesia_errors_and_the_socket_keeps_serving(
             assert error["code"] == code, error
         await ws.send_bytes(b"\x00")
         assert (await socket.error())["code"] == "invalid_message"
+        # Text that takes an open context over the limit ends that context with the error (and nothing after it).
+        got: dict[str, list[dict[str, Any]]] = {}
+        await socket.send(start("big", "Hello.", True))
+        await socket.send(start("big", "x" * gateway.config.max_text_chars, True))
+        while (message := await socket.receive())["type"] != "error":
+            got.setdefault(message["context_id"], []).append(message)
+        assert (message["code"], message["context_id"]) == ("text_too_long", "big")
         # A context that is fine still plays on the same socket, and the refused ones hold no admission slot.
         await socket.send(start("ok", "Good morning.", False))
-        got: dict[str, list[dict[str, Any]]] = {}
         end = await socket.until_end("ok", got)
+        assert not any(m["done"] for m in got.get("big", [])), "a context ends once"
         assert end["type"] == "done" and "cancelled" not in end
         assert len(audio_of(got["ok"])) > 0
         # Text for a context that has all its text is refused, and a finished context's id opens a new one.

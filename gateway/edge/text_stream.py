@@ -127,16 +127,17 @@ class ContextSet:
         """Add text to context `context_id`, opening it (with `options()`) if it is not open; `more` False
         closes it. DoorError for text over the limit, a closed context, too many contexts or no capacity."""
         context = self.contexts.get(context_id)
+        if context is not None and context.closed:
+            raise DoorError("context_closed", f"context {context_id!r} has all its text; use a new context_id")
+        so_far = context.utterance.text_chars if context is not None else 0
+        try:
+            check_text(text, self.gateway.config.max_text_chars, so_far=so_far, allow_empty=True)
+        except InvalidRequestError as exc:
+            if context is not None:  # an open context's text would be cut: the context ends with this error
+                self._end_now(context)
+            raise DoorError(exc.code, str(exc)) from None
         if context is None:
             context = self._open(context_id, options())
-        elif context.closed:
-            raise DoorError("context_closed", f"context {context_id!r} has all its text; use a new context_id")
-        config = self.gateway.config
-        try:
-            check_text(text, config.max_text_chars, so_far=context.utterance.text_chars, allow_empty=True)
-        except InvalidRequestError as exc:
-            self._end_now(context)
-            raise DoorError(exc.code, str(exc)) from None
         context.utterance.add_text(joined(context.utterance.text, text), more)
 
     def cancel(self, context_id: str) -> None:
@@ -203,7 +204,7 @@ class ContextSet:
         outcome, code, message = DONE, None, None
         try:
             await self._synthesize(context)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionError):  # cancelled, or the client went away mid-send
             outcome = CANCELLED
         except (InvalidRequestError, RuntimeError) as exc:  # RuntimeError: an engine error or a failed SNAC decode
             log.warning("context %s failed: %s", context.id, exc)
