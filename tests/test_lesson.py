@@ -155,6 +155,9 @@ async def test_rtp_timestamps_match_what_the_receiver_sees(peer: HeadlessPeer) -
         # Back to back in the stream but for the underruns' silence (whole frames) that began before this point.
         gaps_ms = done["underrun_ms"] if any(at < event["start_ms"] for at in done["underrun_at_ms"]) else 0.0
         offset = (rtp - rtp0) % (1 << 32)
+        # Underruns add whole frames of silence: the sentence's place within its frame is that of its start_ms.
+        phase = (offset - event["start_ms"] * MS_48K) % FRAME_SAMPLES
+        assert min(phase, FRAME_SAMPLES - phase) <= MS_48K, (event["type"], event["index"], offset, event["start_ms"])
         assert event["start_ms"] * MS_48K - MS_48K <= offset <= (event["start_ms"] + gaps_ms) * MS_48K + MS_48K, \
             (event["type"], event["index"], offset, event["start_ms"], done["underrun_ms"])
         # The frame holding the sentence's first sample reached the receiver.

@@ -28,7 +28,7 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.edge.app import create_app
 from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt
 from gateway.speech.engine import EngineState
-from gateway.speech.errors import EngineDeadError, EngineUnavailableError
+from gateway.speech.errors import EngineDeadError, EngineRequestError, EngineUnavailableError
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from tests.support import SERVER_START_TIMEOUT_S, VllmServer, free_port, tiny_config, wait_until
@@ -312,12 +312,14 @@ async def test_cancelled_task_aborts_the_request_on_the_server(remote_synth: Syn
 
 @pytest.mark.engine
 async def test_unreachable_server_is_not_ready(remote_synth: Synthesizer,
-                                               remote_config: Callable[..., GatewayConfig]) -> None:
+                                               remote_config: Callable[..., GatewayConfig],
+                                               caplog: pytest.LogCaptureFixture) -> None:
     config = remote_config(f"http://127.0.0.1:{free_port()}")
     async with other_engine(remote_synth, config) as synth:
         engine = synth.engine
         assert isinstance(engine, RemoteEngine)
         assert not engine.ready and engine.state is EngineState.STARTING
+        assert "no vLLM server answers yet" in caplog.text, "the operator is told why it is not ready"
         assert engine.servers[0].healthy is False and engine.servers[0].last_error
         with pytest.raises(EngineUnavailableError) as info:
             await speak(synth, "Nobody home.", seed=1)
@@ -328,6 +330,17 @@ async def test_unreachable_server_is_not_ready(remote_synth: Synthesizer,
             assert resp.status == 503 and (await resp.json())["status"] == "starting"
             resp = await client.post("/v1/audio/speech", json={"input": "Hello."})
             assert resp.status == 503 and (await resp.json())["error"]["code"] == "engine_unavailable"
+
+
+@pytest.mark.engine
+async def test_a_request_the_server_refuses_is_engine_rejected(remote_synth: Synthesizer) -> None:
+    """A request `vllm serve` refuses as invalid (more tokens than the model's context) fails as `engine_rejected`
+    (retrying will not help), and the server stays in use."""
+    with pytest.raises(EngineRequestError) as info:
+        await speak(remote_synth, "Too long an answer.", seed=2, max_tokens=remote_synth.config.max_model_len * 4)
+    assert info.value.code == "engine_rejected" and "refused" in str(info.value)
+    assert remote_synth.engine.ready
+    await speak(remote_synth, "Still here.", seed=4)
 
 
 @pytest.mark.engine
