@@ -272,3 +272,19 @@ async def test_speech_route_sends_word_timings_beside_the_audio_when_asked(door:
     assert [w["word"] for w in words] == ["Good", "morning", "class", "Open", "your", "books"]
     assert all(0 <= w["start"] <= w["end"] <= samples / SAMPLE_RATE + 0.01 for w in words)
     assert [w["start"] for w in words] == sorted(w["start"] for w in words)
+
+
+@pytest.mark.engine
+async def test_a_socket_holds_at_most_its_context_limit(door: tuple[str, GatewayState]) -> None:
+    """Open contexts are bounded per socket (each holds an admission slot); closing the socket frees them all."""
+    base, gateway = door
+    limit = gateway.config.max_queued_utterances
+    async with aiohttp.ClientSession() as http, http.ws_connect(base + CARTESIA_PATH) as ws:
+        socket = Socket(ws)
+        for n in range(limit):
+            await socket.send(start(f"open{n}", "", True))  # open, no sentence yet: no engine request
+        await wait_until(lambda: gateway.admission.streams == limit)
+        await socket.send(start("one-too-many", "", True))
+        error = await socket.error()
+        assert (error["code"], error["context_id"]) == ("too_many_contexts", "one-too-many")
+    await wait_until(lambda: gateway.admission.streams == 0)
