@@ -497,6 +497,32 @@ async def test_utterance_over_token_budget_gets_at_capacity_while_the_running_on
             await asyncio.gather(first.close(), second.close())
 
 
+@needs_engine
+async def test_an_utterance_waiting_for_more_text_keeps_its_slot(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """`more: true`: the utterance holds its in-flight slot while its text is still being written, even with
+    nothing left to generate; another utterance is refused until its last piece has played."""
+    config = dataclasses.replace(test_config, max_in_flight_utterances=1)
+    async with running(config, synthesizer) as (base, gateway):
+        writer, other = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
+        await asyncio.gather(writer.connect(), other.connect())
+        try:
+            writer.speak("piecewise", "The first sentence is here. ", more=True)
+            await writer.wait_event("started", "piecewise", timeout=EVENT_TIMEOUT_S)
+            await wait_until(lambda: synthesizer.engine.in_flight == 0, timeout=EVENT_TIMEOUT_S)
+            assert gateway.admission.streams == 1, "the slot is held while more text may come"
+            other.speak("refused", "Me too.")
+            refused = await other.wait_event("error", "refused", timeout=EVENT_TIMEOUT_S)
+            assert refused["code"] == AT_CAPACITY
+            writer.speak("piecewise", "And this ends it.")
+            await writer.wait_event("done", "piecewise", timeout=EVENT_TIMEOUT_S)
+            await wait_until(lambda: gateway.admission.streams == 0, timeout=CLEANUP_TIMEOUT_S)
+            other.speak("admitted", "Now me.")
+            await other.wait_event("done", "admitted", timeout=EVENT_TIMEOUT_S)
+        finally:
+            await asyncio.gather(writer.close(), other.close())
+
+
 # --- limits ------------------------------------------------------------------------------------------
 
 @needs_engine
@@ -706,7 +732,8 @@ async def test_snac_decode_failure_fails_that_utterance_only(
             await asyncio.gather(healthy.close(), faulty_peer.close())
 
 
-UTTERANCE_TEXT: contextvars.ContextVar[str] = contextvars.ContextVar("utterance_text", default="")
+UTTERANCE_VOICE: contextvars.ContextVar[str] = contextvars.ContextVar("utterance_voice", default="")
+BATCHING_DELAY_S = 0.1
 
 
 @needs_engine
@@ -717,12 +744,13 @@ async def test_a_failing_snac_step_fails_every_utterance_in_its_batch(
     decoder = synthesizer.decoder
     assert isinstance(decoder, StreamDecoder)
     snac = decoder.snac
-    hit: list[set[str]] = []  # the texts of the one batch that failed
+    hit: list[set[str]] = []  # the voices (one per utterance) of the one batch that failed
+    opened: list[tuple[DecodeStream, str]] = []
     real_utterance, real_open, real_step = synthesizer.utterance, decoder.open, snac.step_batch
 
     def utterance(text: Any, voice: str | None = None, **kw: Any) -> AsyncIterator[Any]:
         async def tagged() -> AsyncIterator[Any]:
-            UTTERANCE_TEXT.set(str(text))
+            UTTERANCE_VOICE.set(str(voice))  # copied into the tasks that open its decode streams
             async with contextlib.aclosing(real_utterance(text, voice, **kw)) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -730,38 +758,40 @@ async def test_a_failing_snac_step_fails_every_utterance_in_its_batch(
 
     def open_stream(lead_s: Callable[[], float], lookahead: int = 1, **kwargs: Any) -> DecodeStream:
         stream = real_open(lead_s, lookahead, **kwargs)
-        opened.append((stream, UTTERANCE_TEXT.get()))
+        opened.append((stream, UTTERANCE_VOICE.get()))
         return stream
 
-    opened: list[tuple[DecodeStream, str]] = []
-
     def step_batch(handles: Sequence[StreamHandle], *args: Any, **kwargs: Any) -> list[np.ndarray]:
-        texts = {text for stream, text in list(opened) if stream.handle is not None
-                 and any(stream.handle is h for h in handles)}
-        if not hit and len(texts) >= 2:
-            hit.append(texts)
+        voices = {voice for stream, voice in list(opened) if stream.handle is not None
+                  and any(stream.handle is h for h in handles)}
+        if not hit and len(voices) >= 2:
+            hit.append(voices)
             raise RuntimeError("injected SNAC fault for a whole batch")
+        if not hit:
+            time.sleep(BATCHING_DELAY_S)  # a slow step: the utterances' streams pile up into one batch
         return real_step(handles, *args, **kwargs)
 
     monkeypatch.setattr(synthesizer, "utterance", utterance)
     monkeypatch.setattr(decoder, "open", open_stream)
     monkeypatch.setattr(snac, "step_batch", step_batch)
-    texts = [f"Speaker {name} says a sentence long enough to be stepped." for name in ("one", "two", "three")]
+    voices = ["tara", "leah", "jess"]
     async with running(test_config, synthesizer) as (base, gateway):
-        peers = [HeadlessPeer(base, jitter_buffer_ms=0) for _ in texts]
+        peers = [HeadlessPeer(base, jitter_buffer_ms=0) for _ in voices]
         await asyncio.gather(*(p.connect() for p in peers))
         try:
-            for i, (peer, text) in enumerate(zip(peers, texts, strict=True)):
-                peer.speak(f"u{i}", text)
+            for i, (peer, voice) in enumerate(zip(peers, voices, strict=True)):
+                peer.speak(f"u{i}", f"Speaker {voice} says a sentence long enough to be stepped.", voice=voice)
             for i, peer in enumerate(peers):
                 await wait_until(lambda p=peer, u=f"u{i}": bool(p.find("done", u) or p.find("error", u)),
                                  timeout=EVENT_TIMEOUT_S)
             assert hit, "no batch held several utterances' streams"
-            for i, (peer, text) in enumerate(zip(peers, texts, strict=True)):
-                if text in hit[0]:
-                    errors = peer.find("error", f"u{i}")
-                    assert [e.message["code"] for e in errors] == ["synthesis_failed"], peer.events
-                    assert not peer.find("done", f"u{i}")
+            failed = [voice for i, (peer, voice) in enumerate(zip(peers, voices, strict=True))
+                      if voice in hit[0]]
+            assert len(failed) >= 2
+            for i, (peer, voice) in enumerate(zip(peers, voices, strict=True)):
+                if voice in hit[0]:
+                    codes = [e.message["code"] for e in peer.find("error", f"u{i}")]
+                    assert codes == ["synthesis_failed"] and not peer.find("done", f"u{i}"), (voice, peer.events)
             peers[0].speak("again", "The decoder works again.")
             await peers[0].wait_event("done", "again", timeout=EVENT_TIMEOUT_S)
             await wait_until(lambda: synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
