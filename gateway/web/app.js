@@ -6,7 +6,7 @@
 import { Avatar } from './avatar.js';
 import { TutorConnection } from './connection.js';
 import { SpokenUtterance, heardRtp, highlightWord, renderWords } from './karaoke.js';
-import { SLOW_RATE, forgetRecordings, prefetchMessage, renderPhrases } from './lesson.js';
+import { SLOW_RATE, forgetRecordings, phraseRoute, prefetchMessage, renderPhrases } from './lesson.js';
 import { connectErrorMessage, eventErrorMessage, lostMessage } from './messages.js';
 import { jitterBufferMaxMs, loadProtocolSchema } from './protocol.js';
 import { Reconnector, isRetryable, reconnectsAfter } from './reconnect.js';
@@ -34,6 +34,7 @@ let audioContext = null;
 let statsTimer = null;
 let lastStats = null;
 let counter = 0;
+let served = { languages: [], voiceLanguages: {} }; // GET /v1/voices: the languages served, each voice's language
 let peerState = 'new'; // RTCPeerConnection.connectionState, shown beside the page's own state
 // id -> {text, button?, phrase?, rate, repeatOf?, spoken}: what we asked for and still expect events about
 const utterances = new Map();
@@ -263,7 +264,9 @@ function speak(text, button, { rate = 1, phrase = null } = {}) {
   utterances.set(id, { text, button, phrase, rate, spoken: new SpokenUtterance(id, text) });
   button?.classList.remove('cut');
   button?.classList.add('waiting');
-  connection.speak(id, text, { voice: ui.voice.value, interrupt: ui.interrupt.checked, rate,
+  // A lesson line goes to its own language's model where the gateway serves several (PT lines, EN lines).
+  const route = phrase ? phraseRoute(phrase, ui.voice.value, served) : { voice: ui.voice.value };
+  connection.speak(id, text, { ...route, interrupt: ui.interrupt.checked, rate,
     cache: phrase ? true : undefined }); // the script's lines are shared (phrase cache); typed text is not marked
   log(`Asked to say “${shorten(text)}”${rate === 1 ? '' : ` at ${rate}×`} (${id})`);
 }
@@ -467,7 +470,8 @@ async function loadVoices() {
   try {
     const response = await fetch(`${location.origin}/v1/voices`);
     if (!response.ok) return;
-    const { voices, default: chosen } = await response.json();
+    const { voices, default: chosen, models = [], languages = [] } = await response.json();
+    served = { languages, voiceLanguages: Object.fromEntries(models.map((m) => [m.name, m.language])) };
     fillVoices(voices, chosen);
   } catch {
     // the voices come again with `ready`; a failure here is not worth a message

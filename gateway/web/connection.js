@@ -157,9 +157,10 @@ export class TutorConnection extends EventTarget {
     return true;
   }
 
-  speak(id, text, { voice, interrupt = false, rate = 1, cache } = {}) {
+  speak(id, text, { voice, language, interrupt = false, rate = 1, cache } = {}) {
     const message = { type: 'speak', id, text, interrupt };
     if (voice) message.voice = voice;
+    if (language) message.language = language; // BCP-47: a model of that language speaks it
     if (rate !== 1) message.rate = rate;
     if (cache != null) message.cache = cache; // true: a scripted line the phrase cache may keep
     return this.send(message);

@@ -21,6 +21,18 @@ export function prefetchMessage(voice) {
 
 const LANGUAGE_NAMES = { pt: 'Português', en: 'English' };
 
+const primary = (tag) => tag.toLowerCase().split('-')[0];
+
+/** How a phrase is spoken: where the gateway serves several languages (`served.languages`, BCP-47, from
+ *  GET /v1/voices), a phrase goes to a model of its own language: with the chosen voice if that voice speaks it
+ *  (`served.voiceLanguages`), else with that language's default voice (`language` alone). Otherwise: the voice. */
+export function phraseRoute(phrase, voice, served) {
+  const tag = served.languages.find((candidate) => primary(candidate) === phrase.lang);
+  if (!tag || served.languages.length < 2) return { voice };
+  const spoken = served.voiceLanguages[voice];
+  return spoken && primary(spoken) === phrase.lang ? { voice, language: tag } : { language: tag };
+}
+
 export const SLOW_RATE = 0.7;
 
 /** The page remembers each phrase's last recording on the server (`lastId`, for "Slower"); those recordings go
