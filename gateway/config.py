@@ -63,6 +63,9 @@ class GatewayConfig:
                       "NAME=PATH_OR_HF_ID: one entry of the table of models served at once (one engine each; "
                       "per-model details in --models-file).", repeatable="model_entries")
     model_entries: list[str] = _opt([], "The NAME=PATH entries of --model (set through --model).", internal=True)  # noqa: RUF009
+    lora: list[str] = _opt([], "NAME=PATH: a LoRA adapter of the (first) model, run on its engine through vLLM's "  # noqa: RUF009
+                           "multi-LoRA, speaking as voice NAME (repeatable; other bases and voices: [loras.NAME] "
+                           "in --models-file).")
     models_file: str | None = _opt(None, "TOML or JSON file of the models served at once: [models.NAME] with path, "
                                    "voices, languages (BCP-47), default_voice, gpu_memory_utilization, "
                                    "kv_cache_memory_gib, temperature, top_p, repetition_penalty, vllm_urls, "
@@ -221,7 +224,7 @@ class GatewayConfig:
     @functools.cached_property
     def model_table(self) -> ModelTable:
         """The models served (`gateway.model_table`): the --model entries and --models-file, or the one --model."""
-        return build_table(self.model_entries, self.models_file, self.model, self.voices)
+        return build_table(self.model_entries, self.models_file, self.model, self.voices, self.lora)
 
     @property
     def voice_list(self) -> list[str]:
@@ -238,10 +241,11 @@ class GatewayConfig:
         table = self.model_table
         spec = table.models[name]
         share = spec.gpu_memory_utilization
-        if share is None and table.several:
-            share = self.gpu_memory_utilization / len(table.models)
+        if share is None and len(table.bases) > 1:
+            share = self.gpu_memory_utilization / len(table.bases)
         return dataclasses.replace(
             self, model=spec.path, model_entries=[], models_file=None, voices=list(spec.voices),
+            lora=[f"{adapter.name}={adapter.path}" for adapter in table.adapters_of(name)],
             default_voice=spec.default_voice, voice_alias=[],
             gpu_memory_utilization=share or self.gpu_memory_utilization,
             kv_cache_memory_gib=spec.kv_cache_memory_gib or self.kv_cache_memory_gib,
@@ -448,20 +452,20 @@ def _validate_models(config: GatewayConfig) -> None:
         table = config.model_table
     except ModelTableError as exc:
         raise ConfigError(str(exc)) from None
-    if not table.several:
+    if len(table.bases) == 1:
         return
     if config.voices:
         raise ConfigError("voices: with several models, each model's voices are set in --models-file")
-    shares = [spec.gpu_memory_utilization for spec in table.models.values() if spec.gpu_memory_utilization]
+    shares = [spec.gpu_memory_utilization for spec in table.bases.values() if spec.gpu_memory_utilization]
     if sum(shares) > 1:
         raise ConfigError(f"models: the gpu_memory_utilization shares add up to {sum(shares):g}, more than 1")
-    for spec in table.models.values():
+    for spec in table.bases.values():
         for url in spec.vllm_urls:
             if not _is_base_url(url):
                 raise ConfigError(f"model {spec.name!r}: vllm_urls: {url!r} is not an http(s) base URL")
-    remote = [bool(spec.vllm_urls) for spec in table.models.values()]
-    if config.vllm_urls and any(remote):
-        raise ConfigError("vllm_urls: with several models, list each model's servers in --models-file")
+    remote = [bool(spec.vllm_urls) for spec in table.bases.values()]
+    if config.vllm_urls:
+        raise ConfigError("vllm_urls: with several models, list each model's servers (vllm_urls) in --models-file")
     if any(remote) and not all(remote):
         raise ConfigError("models: either every model lists its vllm_urls (remote servers) or none does")
 

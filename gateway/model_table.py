@@ -23,6 +23,10 @@ DEFAULT_MODEL_NAME = "default"  # the one model of `--model PATH`
 QUALIFIER = "/"  # `pt/ana`: voice `ana` of model `pt`
 MODEL_FIELDS = ("path", "voices", "languages", "default_voice", "gpu_memory_utilization", "kv_cache_memory_gib",
                 "temperature", "top_p", "repetition_penalty", "vllm_urls", "vllm_model")
+LORA_FIELDS = ("path", "base", "voices", "languages", "default_voice")
+# vLLM's accepted max_lora_rank values; an engine takes the smallest that holds its adapters' ranks.
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_LORA_RANK = 16  # an adapter whose adapter_config.json cannot be read here (an HF id): vLLM's default
 # espeak-ng names that are not the lower-cased BCP-47 tag (and the way back, for a voice's known language).
 _ESPEAK_OF_TAG = {"zh": "cmn", "zh-cn": "cmn", "en": "en-us", "fr": "fr-fr"}
 _TAG_OF_ESPEAK = {"cmn": "zh", "en-us": "en-US", "en-gb": "en-GB", "fr-fr": "fr-FR", "pt-br": "pt-BR"}
@@ -74,6 +78,7 @@ class ModelSpec:
     vllm_urls: tuple[str, ...] = ()
     vllm_model: str | None = None
     voice_languages: Mapping[str, str] = field(default_factory=dict)  # voice -> BCP-47
+    lora_of: str | None = None  # a LoRA adapter (`path`) of this base model, run on the base's engine
 
     def language_of(self, voice: str) -> str:
         return self.voice_languages.get(voice, self.languages[0])
@@ -95,15 +100,52 @@ def _match_language(tag: str, languages: Sequence[str]) -> str | None:
     return None
 
 
-def make_spec(name: str, values: Mapping[str, Any]) -> ModelSpec:
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter as an engine request names it (vLLM's `LoRARequest`: name, a positive id, the path)."""
+
+    name: str
+    id: int
+    path: str
+
+
+def lora_rank(path: str) -> int:
+    """The rank `r` of a local PEFT adapter (its adapter_config.json); DEFAULT_LORA_RANK where it cannot be read."""
+    try:
+        rank = json.loads((Path(path) / "adapter_config.json").read_text()).get("r")
+    except (OSError, ValueError):
+        return DEFAULT_LORA_RANK
+    return rank if isinstance(rank, int) and rank > 0 else DEFAULT_LORA_RANK
+
+
+def vllm_lora_rank(ranks: Sequence[int]) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds every rank."""
+    need = max(ranks, default=DEFAULT_LORA_RANK)
+    return next((r for r in VLLM_LORA_RANKS if r >= need), VLLM_LORA_RANKS[-1])
+
+
+def make_lora_spec(name: str, values: Mapping[str, Any], base: ModelSpec) -> ModelSpec:
+    """An adapter's entry (`path` required; voices default to its name; languages to its base's), checked."""
+    unknown = sorted(set(values) - set(LORA_FIELDS))
+    if unknown:
+        raise ModelTableError(f"lora {name!r}: unknown field(s) {unknown}; known: {list(LORA_FIELDS)}")
+    fields = {key: values[key] for key in ("path", "voices", "languages", "default_voice") if key in values}
+    fields.setdefault("voices", [name])
+    fields.setdefault("languages", list(base.languages))
+    spec = make_spec(name, fields, what="lora")
+    return ModelSpec(name=name, path=spec.path, voices=spec.voices, languages=spec.languages,
+                     default_voice=spec.default_voice, voice_languages=spec.voice_languages, lora_of=base.name)
+
+
+def make_spec(name: str, values: Mapping[str, Any], what: str = "model") -> ModelSpec:
     """A model from its table entry (`path` required; the rest optional), checked."""
     unknown = sorted(set(values) - set(MODEL_FIELDS))
     if unknown:
-        raise ModelTableError(f"model {name!r}: unknown field(s) {unknown}; known: {list(MODEL_FIELDS)}")
+        raise ModelTableError(f"{what} {name!r}: unknown field(s) {unknown}; known: {list(MODEL_FIELDS)}")
     path = values.get("path")
     if not isinstance(path, str) or not path.strip():
-        raise ModelTableError(f"model {name!r}: 'path' (an HF id or a local path) is required")
-    voices = _strings(values.get("voices"), f"model {name!r}: voices") or voices_for_model(path)
+        raise ModelTableError(f"{what} {name!r}: 'path' (an HF id or a local path) is required")
+    voices = _strings(values.get("voices"), f"{what} {name!r}: voices") or voices_for_model(path)
     if len(set(voices)) != len(voices):
         raise ModelTableError(f"model {name!r}: a voice is listed twice: {voices}")
     for voice in voices:
@@ -148,18 +190,18 @@ def _strings(value: object, what: str) -> list[str]:
     return list(value)
 
 
-def parse_model_flag(item: str) -> tuple[str, str]:
+def parse_model_flag(item: str, flag: str = "--model") -> tuple[str, str]:
     """`NAME=PATH_OR_HF_ID` -> (name, path); ModelTableError for any other form."""
     name, sep, path = item.partition("=")
     name, path = name.strip(), path.strip()
     if not sep or not name or not path or QUALIFIER in name:
-        raise ModelTableError(f"--model {item!r} is not NAME=PATH_OR_HF_ID, e.g. pt=/models/orpheus-pt")
+        raise ModelTableError(f"{flag} {item!r} is not NAME=PATH_OR_HF_ID, e.g. pt=/models/orpheus-pt")
     return name, path
 
 
-def read_models_file(path: str) -> dict[str, dict[str, Any]]:
-    """`{name: {path, voices, ...}}` from a TOML (`[models.NAME]` tables) or JSON (`{"models": {NAME: {...}}}`)
-    file."""
+def read_models_file(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(models, loras), each `{name: {path, voices, ...}}`, from a TOML (`[models.NAME]`, `[loras.NAME]` tables) or
+    JSON (`{"models": {NAME: {...}}, "loras": {...}}`) file."""
     file = Path(path)
     try:
         text = file.read_text()
@@ -174,7 +216,13 @@ def read_models_file(path: str) -> dict[str, dict[str, Any]]:
     if not isinstance(models, dict) or not models or not all(isinstance(v, dict) for v in models.values()):
         raise ModelTableError(f"models_file {path!r}: needs a non-empty 'models' table of NAME -> {{path, voices, "
                               "languages, ...}}")
-    return models
+    loras = data.get("loras", {})
+    if not isinstance(loras, dict) or not all(isinstance(v, dict) for v in loras.values()):
+        raise ModelTableError(f"models_file {path!r}: 'loras' must be a table of NAME -> {{path, base, voices}}")
+    unknown = sorted(set(data) - {"models", "loras"})
+    if unknown:
+        raise ModelTableError(f"models_file {path!r}: unknown section(s) {unknown}; known: models, loras")
+    return models, loras
 
 
 class ModelTable:
@@ -199,7 +247,24 @@ class ModelTable:
 
     @property
     def several(self) -> bool:
+        """More than one entry (models or LoRA adapters): per-model settings, metrics and routing apply."""
         return len(self.models) > 1
+
+    @property
+    def bases(self) -> dict[str, ModelSpec]:
+        """The models that get an engine of their own (not LoRA adapters)."""
+        return {name: spec for name, spec in self.models.items() if spec.lora_of is None}
+
+    def adapters_of(self, base: str) -> list[ModelSpec]:
+        return [spec for spec in self.models.values() if spec.lora_of == base]
+
+    def engine_of(self, voice: str) -> tuple[str, LoraAdapter | None]:
+        """The model whose engine speaks a served voice, and the adapter it runs it with (None: the base itself)."""
+        spec = self.model_of_voice[voice]
+        if spec.lora_of is None:
+            return spec.name, None
+        index = [s.name for s in self.models.values() if s.lora_of is not None].index(spec.name)
+        return spec.lora_of, LoraAdapter(spec.name, index + 1, spec.path)
 
     @property
     def voices(self) -> list[str]:
@@ -250,22 +315,56 @@ class ModelTable:
                          for spec in self.models.values())
 
     def listing(self) -> list[dict[str, str]]:
-        """`GET /v1/voices`' entries: each voice with its model and language."""
-        return [{"name": voice, "model": spec.name, "language": spec.language_of(voice)}
+        """`GET /v1/voices`' entries: each voice with its model, language and (a LoRA voice) adapter."""
+        return [{"name": voice, "model": spec.lora_of or spec.name, "language": spec.language_of(voice),
+                 **({"lora": spec.name} if spec.lora_of else {})}
                 for voice, spec in self.model_of_voice.items()]
 
 
+def table_file(table: ModelTable, urls: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """The table as a models file (`read_models_file`'s JSON form) whose models stream from `urls[name]`, checking
+    that each server serves its model's path (`vllm serve PATH`'s served name): what `serve --workers` hands its
+    workers after starting one `vllm serve` per model."""
+    models: dict[str, dict[str, Any]] = {}
+    for name, spec in table.bases.items():
+        entry: dict[str, Any] = {"path": spec.path, "voices": list(spec.voices), "languages": list(spec.languages),
+                                 "default_voice": spec.default_voice}
+        for key in ("gpu_memory_utilization", "kv_cache_memory_gib", "temperature", "top_p", "repetition_penalty"):
+            if getattr(spec, key) is not None:
+                entry[key] = getattr(spec, key)
+        entry["vllm_urls"] = list(urls.get(name, spec.vllm_urls))
+        entry["vllm_model"] = spec.vllm_model or (spec.path if name in urls else None)
+        models[name] = {key: value for key, value in entry.items() if value is not None}
+    loras = {spec.name: {"path": spec.path, "base": spec.lora_of, "voices": list(spec.voices),
+                         "languages": list(spec.languages), "default_voice": spec.default_voice}
+             for spec in table.models.values() if spec.lora_of is not None}
+    return {"models": models, "loras": loras}
+
+
 def build_table(model_entries: Sequence[str], models_file: str | None, single_path: str,
-                single_voices: Sequence[str]) -> ModelTable:
+                single_voices: Sequence[str], lora_entries: Sequence[str] = ()) -> ModelTable:
     """The table of the settings: `NAME=PATH` entries and the models file's models (names unique across both);
-    neither: today's one model (`single_path`, with `single_voices` when given)."""
+    neither: today's one model (`single_path`, with `single_voices` when given). LoRA adapters: the models file's
+    `[loras.NAME]` (on their `base`, default the first model) and `--lora NAME=PATH` (on the first model)."""
     specs: list[ModelSpec] = []
+    loras: dict[str, dict[str, Any]] = {}
     for item in model_entries:
         name, path = parse_model_flag(item)
         specs.append(make_spec(name, {"path": path}))
     if models_file:
-        for name, values in read_models_file(models_file).items():
+        models, loras = read_models_file(models_file)
+        for name, values in models.items():
             specs.append(make_spec(name, values))
     if not specs:
         specs.append(make_spec(DEFAULT_MODEL_NAME, {"path": single_path, "voices": list(single_voices) or None}))
+    by_name = {spec.name: spec for spec in specs}
+    for item in lora_entries:
+        name, path = parse_model_flag(item, "--lora")
+        loras.setdefault(name, {"path": path})
+    for name, values in loras.items():
+        base = by_name.get(values.get("base", specs[0].name))
+        if base is None:
+            raise ModelTableError(f"lora {name!r}: base {values.get('base')!r} is not a model of the table "
+                                  f"{list(by_name)}")
+        specs.append(make_lora_spec(name, {k: v for k, v in values.items() if k != "base"}, base))
     return ModelTable(specs)

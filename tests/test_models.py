@@ -12,16 +12,17 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, GatewayConfig, add_arguments, from_sources
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.state import GatewayState
-from gateway.model_table import ModelTableError, espeak_language
+from gateway.model_table import LoraAdapter, ModelTableError, espeak_language
 from gateway.rtc.session import Session
 from gateway.speech.errors import InvalidRequestError
 from gateway.speech.language_spans import parse_spans
 from gateway.speech.synthesizer import Synthesizer
-from tests.support import TEST_STOP_PROBABILITY, offer_sdp, running, tiny_config
+from tests.support import TEST_STOP_PROBABILITY, chromium, needs_chromium, offer_sdp, running, tiny_config
 
 MODELS_TOML = """
 [models.en]
@@ -37,6 +38,12 @@ languages = ["pt-BR"]
 default_voice = "rui"
 kv_cache_memory_gib = 0.25
 temperature = 0.7
+"""
+LORA_TOML = """
+[loras.tutor]
+path = "{lora}"
+base = "en"
+voices = ["tutor"]
 """
 MIXED = 'Good morning! The word for station is <lang xml:lang="pt-BR">estação</lang>.'
 
@@ -108,6 +115,8 @@ def test_models_file_sets_voices_languages_sampling_and_shares(tmp_path: Path) -
          'gpu_memory_utilization = 0.6\n', "shares add up to 1.2"),
     ([], '[models.a]\npath = "/m/a"\nvllm_urls = ["http://gpu1:8001"]\n[models.b]\npath = "/m/b-fr"\n',
      "either every model lists its vllm_urls"),
+    (["--vllm-url", "http://gpu1:8001"], '[models.a]\npath = "/m/a"\n[models.b]\npath = "/m/b-fr"\n',
+     "list each model's servers (vllm_urls) in --models-file"),
     ([], "models = 3\n", "needs a non-empty 'models' table"),
     ([], "[models.a\n", "not valid TOML"),
 ])
@@ -148,13 +157,14 @@ def test_lang_markup_spans_index_the_text_as_sent() -> None:
 @pytest.fixture(scope="module")
 async def two_models(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> AsyncIterator[tuple[str, GatewayState]]:
-    from gateway.devtools.devmodels import build_test_model
+    from gateway.devtools.devmodels import build_test_lora, build_test_model
 
     pt_dir = build_test_model(tmp_path_factory.mktemp("tiny-orpheus-pt"), shape="tiny", seed=1,
                               stop_probability=TEST_STOP_PROBABILITY)
+    lora_dir = build_test_lora(tmp_path_factory.mktemp("tiny-lora"))
     folder = tmp_path_factory.mktemp("models")
-    config = tiny_config(tiny_model_dir, tiny_snac_dir,
-                         models_file=write_models(folder, MODELS_TOML.format(en=tiny_model_dir, pt=pt_dir)))
+    table = MODELS_TOML.format(en=tiny_model_dir, pt=pt_dir) + LORA_TOML.format(lora=lora_dir)
+    config = tiny_config(tiny_model_dir, tiny_snac_dir, models_file=write_models(folder, table))
     synthesizer = Synthesizer.load(config)
     await synthesizer.start()
     try:
@@ -188,11 +198,13 @@ async def test_each_voice_and_language_reaches_its_own_engine(two_models: tuple[
     async with aiohttp.ClientSession(base_url) as client:
         listing = await (await client.get("/v1/voices")).json()
         assert listing["languages"] == ["en-US", "pt-BR"]
-        assert {v["name"]: (v["model"], v["language"]) for v in listing["models"]} == {
-            "tara": ("en", "en-US"), "leo": ("en", "en-US"), "ana": ("pt", "pt-BR"), "rui": ("pt", "pt-BR")}
+        assert {v["name"]: (v["model"], v["language"], v.get("lora")) for v in listing["models"]} == {
+            "tara": ("en", "en-US", None), "leo": ("en", "en-US", None), "ana": ("pt", "pt-BR", None),
+            "rui": ("pt", "pt-BR", None), "tutor": ("en", "en-US", "tutor")}
         for body, engine in [({"voice": "ana"}, "pt"), ({"voice": "pt/rui"}, "pt"), ({"language": "pt-BR"}, "pt"),
                              ({"voice": "leo"}, "en"), ({"language": "en-US"}, "en"), ({}, "en"),
-                             ({"voice": "alloy"}, "en")]:  # an OpenAI alias of an English voice
+                             ({"voice": "alloy"}, "en"),  # an OpenAI alias of an English voice
+                             ({"voice": "tutor"}, "en")]:  # a LoRA voice: its base's engine, with the adapter
             before = counts(gateway)
             resp = await client.post("/v1/audio/speech", json={"input": "Bom dia.", "response_format": "pcm",
                                                                **body})
@@ -210,6 +222,19 @@ async def test_each_voice_and_language_reaches_its_own_engine(two_models: tuple[
         resp = await client.post("/v1/webrtc/offer", json={"sdp": await offer_sdp(), "type": "offer",
                                                            "language": "ko"})
         assert resp.status == 400 and (await resp.json())["error"]["code"] == "unknown_language"
+        # The LoRA voice ran as the adapter on the English engine (vLLM loaded it there), not as an engine of its own.
+        assert gateway.synthesizer is not None and set(gateway.synthesizer.engines) == {"en", "pt"}
+        assert set(await gateway.synthesizer.engines["en"]._llm.list_loras()) == {1}
+        assert gateway.synthesizer.engines["pt"].config.lora == []  # the Portuguese engine runs no adapter
+        # /metrics and /readyz per model.
+        families = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+        by_model = {name: {s.labels["model"]: s.value for s in families[name].samples if s.name.endswith("_total")
+                           or name.endswith(("_ready", "_in_flight"))}
+                    for name in ("orpheus_model_requests", "orpheus_model_audio_tokens", "orpheus_model_engine_ready")}
+        assert by_model["orpheus_model_requests"] == {name: float(n) for name, n in counts(gateway).items()}
+        assert by_model["orpheus_model_engine_ready"] == {"en": 1.0, "pt": 1.0}
+        assert all(tokens > 0 for tokens in by_model["orpheus_model_audio_tokens"].values())
+        assert (await (await client.get("/readyz")).json()) == {"status": "ready"}
 
 
 def session_of(gateway: GatewayState, peer: HeadlessPeer) -> Session:
@@ -269,3 +294,86 @@ async def test_speak_routes_language_and_refuses_what_is_not_served(
         error = await peer.wait_event("error", utterance_id, timeout=30)
         assert error["code"] == code, error
     assert added(before, gateway) == {"en": 0, "pt": 1}
+
+
+def test_workers_start_one_vllm_serve_per_model_and_hand_the_workers_their_servers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --workers`: one `vllm serve` per model (its path, its memory share), and every worker's table streams
+    each model from its own server, checking the server serves that model (the processes are not started here)."""
+    from gateway.cluster.addressing import WORKER_CONFIG_ENV, WORKER_SOCKETS_ENV
+    from gateway.cluster.supervisor import Supervisor
+    from gateway.config import validate
+
+    monkeypatch.setenv(WORKER_SOCKETS_ENV, str(tmp_path / "sockets"))
+    (tmp_path / "sockets").mkdir()
+    table = MODELS_TOML.format(en="/m/en", pt="/m/pt") + LORA_TOML.format(lora="/m/tutor")
+    config = parse(["--models-file", write_models(tmp_path, table),
+                    "--workers", "2", "--snac-placement", "process", "--gpu-memory-utilization", "0.8"])
+    supervisor = Supervisor(config, 2)
+    servers = [child for child in supervisor.children if child.name.startswith("vllm serve")]
+    assert [child.name for child in servers] == ["vllm serve en", "vllm serve pt"]
+    for child, path in zip(servers, ["/m/en", "/m/pt"], strict=True):
+        cmd = child.cmd
+        assert cmd[cmd.index("serve") + 1] == path
+        assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.4"  # 0.8 split evenly
+        assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(1 << 28)  # the table's 0.25 GiB
+    assert servers[0].cmd[servers[0].cmd.index("--lora-modules") + 1] == "tutor=/m/tutor"  # the base serves it
+    assert "--enable-lora" in servers[0].cmd and "--lora-modules" not in servers[1].cmd
+    fields = json.loads(next(c for c in supervisor.children if c.name == "worker 0").env[WORKER_CONFIG_ENV])
+    fields["vllm_urls"] = tuple(fields["vllm_urls"])
+    worker = GatewayConfig(**fields)
+    validate(worker)
+    for name, child in zip(["en", "pt"], servers, strict=True):
+        port = child.cmd[child.cmd.index("--port") + 1]
+        model = worker.for_model(name)
+        assert model.vllm_urls == (f"http://127.0.0.1:{port}",) and model.vllm_model == f"/m/{name}"
+    assert worker.model_table.choose(None, "pt-BR", worker.voice) == "rui"
+    assert worker.model_table.engine_of("tutor") == ("en", LoraAdapter("tutor", 1, "/m/tutor"))
+
+
+def test_lora_adapters_run_on_their_base_engine(tmp_path: Path) -> None:
+    from gateway.devtools.devmodels import build_test_lora
+    from gateway.speech.engine import vllm_engine_settings
+
+    lora = str(build_test_lora(tmp_path / "tutor", rank=8))
+    config = parse(["--model", "/m/en", "--lora", f"tutor={lora}"])
+    table = config.model_table
+    assert list(table.bases) == ["default"] and config.voice == "tara"
+    assert table.engine_of("tutor") == ("default", LoraAdapter("tutor", 1, lora))
+    assert table.engine_of("tara") == ("default", None) and table.language_of("tutor") == "en-US"
+    settings = vllm_engine_settings(config.for_model("default"), on_cpu=True)
+    assert (settings["enable_lora"], settings["max_loras"], settings["max_lora_rank"]) == (True, 1, 8)
+    assert "enable_lora" not in vllm_engine_settings(parse(["--model", "/m/en"]), on_cpu=True)
+    for models, message in [(f'[models.en]\npath = "/m/en"\n[loras.t]\npath = "{lora}"\nbase = "fr"\n',
+                             "base 'fr' is not a model of the table"),
+                            (f'[models.en]\npath = "/m/en"\n[loras.t]\npath = "{lora}"\nvoices = ["tara"]\n',
+                             "voice 'tara' is served by models 'en' and 't'"),
+                            ('[models.en]\npath = "/m/en"\n[lora.t]\npath = "/x"\n', "unknown section(s) ['lora']")]:
+        with pytest.raises(ConfigError) as caught:
+            parse(["--models-file", write_models(tmp_path, models)])
+        assert message in str(caught.value)
+
+
+@pytest.mark.engine
+@pytest.mark.browser
+@needs_chromium
+async def test_the_page_speaks_pt_lines_with_the_pt_model_and_en_lines_with_the_en_model(
+        two_models: tuple[str, GatewayState]) -> None:
+    """The lesson page in a real Chromium: its first line (PT) goes to the Portuguese engine, its second (EN) to the
+    English one, the chosen (English) voice kept for the EN line."""
+    base_url, gateway = two_models
+    async with chromium() as browser:
+        page = await browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        await page.goto(f"{base_url}/")
+        await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+        await page.click("#connect")
+        await page.wait_for_selector('body[data-state="ready"]', timeout=30_000)
+        for index, engine in [(0, "pt"), (1, "en")]:
+            before = counts(gateway)
+            await page.locator(".phrase").nth(index).click()
+            await page.wait_for_selector('#now[data-kind="done"]', timeout=180_000)
+            assert added(before, gateway) == {"en": 0, "pt": 0, engine: 2}, index  # each line has two sentences
+            await page.evaluate("document.getElementById('now').dataset.kind = ''")
+        assert not errors, errors

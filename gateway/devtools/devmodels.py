@@ -447,6 +447,35 @@ def random_frames(n: int, seed: int = 0) -> list[Frame]:
             for _ in range(n)]
 
 
+LORA_TARGETS = ("q_proj", "v_proj")  # attention inputs only: o_proj is zero, so the model's grammar is kept
+
+
+def build_test_lora(out_dir: str | Path, shape: str = "tiny", *, rank: int = 8, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for a `build_test_model` checkpoint
+    of `shape`: random A and B on every layer's q_proj and v_proj. Those only feed attention, whose output
+    projection is zero in the structured weights, so the adapted model still speaks Orpheus' grammar while vLLM
+    runs the adapter's real multi-LoRA path."""
+    from safetensors.torch import save_file
+
+    dims = SHAPES[shape]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rand = _Randn(seed, torch.float32)
+    outputs = {"q_proj": dims.num_attention_heads * dims.head_dim, "v_proj": dims.num_key_value_heads * dims.head_dim}
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(dims.num_hidden_layers):
+        for target in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = rand(rank, dims.hidden_size).contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = rand(outputs[target], rank).contiguous()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "lora_dropout": 0.0, "bias": "none", "target_modules": list(LORA_TARGETS), "base_model_name_or_path":
+              None, "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def build_test_snac(out_dir: str | Path, seed: int = 0) -> Path:
     """A random-weight SNAC with hubertsiuzdak/snac_24khz's config, as config.json + pytorch_model.bin.
 

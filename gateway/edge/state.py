@@ -66,8 +66,10 @@ class GatewayState:
         return self.synthesizer is not None and self.synthesizer.ready
 
     def _on_engine_state(self, state: EngineState) -> None:
-        self.metrics.engine_ready.set(1 if state is EngineState.READY else 0)
-        if state is EngineState.READY and self.synthesizer is not None and self.synthesizer.engine.restarts:
+        synthesizer = self.synthesizer
+        engines = [] if synthesizer is None else list(synthesizer.engines.values())
+        self.metrics.engine_ready.set(1 if engines and all(engine.ready for engine in engines) else 0)
+        if state is EngineState.READY and any(engine.restarts for engine in engines):
             self.metrics.engine_restarts_total.inc()
 
     async def startup(self, app: web.Application) -> None:
@@ -80,9 +82,12 @@ class GatewayState:
 
     def _attach(self, synthesizer: Synthesizer) -> None:
         self.metrics.snac.watch(synthesizer.decoder)
-        synthesizer.engine.on_state = self._on_engine_state
-        self.metrics.track_in_flight(lambda: synthesizer.engine.in_flight)
-        self.metrics.engine_ready.set(1 if synthesizer.engine.ready else 0)
+        for engine in synthesizer.engines.values():
+            engine.on_state = self._on_engine_state
+        self.metrics.track_in_flight(lambda: sum(engine.in_flight for engine in synthesizer.engines.values()))
+        self.metrics.engine_ready.set(1 if all(engine.ready for engine in synthesizer.engines.values()) else 0)
+        if synthesizer.table.several:
+            self.metrics.track_models(synthesizer.model_stats)
 
     async def _load_and_start(self) -> None:
         try:

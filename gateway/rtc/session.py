@@ -34,7 +34,7 @@ from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot, TokenBucket
 from gateway.speech.errors import EngineUnavailableError, InvalidRequestError
 from gateway.speech.language_spans import has_markup, parse_spans
-from gateway.speech.synthesizer import check_text, choose_voice, span_voices
+from gateway.speech.synthesizer import Synthesizer, check_text, choose_voice, resolve_voice, span_voices
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -174,6 +174,7 @@ class Metrics:
                                                registry=r)
 
         self.phrases = PhraseCacheMetrics(r)
+        self._models: _ModelCollector | None = None
 
     def observe_synthesis(self, tokens: int, audio_s: float, synthesis_s: float | None) -> None:
         """One utterance made (HTTP or WebRTC): its tokens, its audio and, when it has audio, its real-time factor
@@ -186,8 +187,53 @@ class Metrics:
     def track_in_flight(self, read: Callable[[], float]) -> None:
         self.engine_in_flight.set_function(read)
 
+    def track_models(self, read: Callable[[], Mapping[str, ModelEngineStats]]) -> None:
+        """Per-model engine metrics (several checkpoints on one gateway), read at each scrape."""
+        if self._models is None:
+            self._models = _ModelCollector(read)
+            self.registry.register(self._models)
+        else:
+            self._models.read = read
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelEngineStats(Protocol):
+    """One served model's engine, as `/metrics` shows it."""
+
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def requests(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+
+
+class _ModelCollector:
+    """`orpheus_model_engine_ready`, `orpheus_model_requests_in_flight`, `orpheus_model_requests_total` and
+    `orpheus_model_audio_tokens_total`, labelled by model."""
+
+    def __init__(self, read: Callable[[], Mapping[str, ModelEngineStats]]) -> None:
+        self.read = read
+
+    def collect(self) -> list[Metric]:
+        ready = GaugeMetricFamily("orpheus_model_engine_ready", "1 when the model's engine can serve.",
+                                  labels=["model"])
+        in_flight = GaugeMetricFamily("orpheus_model_requests_in_flight", "The model's engine requests running.",
+                                      labels=["model"])
+        requests = CounterMetricFamily("orpheus_model_requests", "Engine requests sent to the model.",
+                                       labels=["model"])
+        tokens = CounterMetricFamily("orpheus_model_audio_tokens", "Audio tokens the model generated.",
+                                     labels=["model"])
+        for name, stats in self.read().items():
+            ready.add_metric([name], 1.0 if stats.ready else 0.0)
+            in_flight.add_metric([name], stats.in_flight)
+            requests.add_metric([name], stats.requests)
+            tokens.add_metric([name], stats.tokens)
+        return [ready, in_flight, requests, tokens]
 
 
 class _Families:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from gateway.config import GatewayConfig
+from gateway.model_table import LoraAdapter, lora_rank, parse_model_flag, vllm_lora_rank
 from gateway.orpheus import BOS_ID, END_OF_SPEECH_ID, PROMPT_PREFIX, PROMPT_SUFFIX
 from gateway.speech.errors import EngineDeadError, EngineUnavailableError
 
@@ -74,6 +75,10 @@ def vllm_engine_settings(config: GatewayConfig, on_cpu: bool | None = None) -> d
         stream_interval=config.stream_interval,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
+    if config.lora:  # this model's LoRA adapters, run on its engine (vLLM multi-LoRA)
+        paths = [parse_model_flag(item, "--lora")[1] for item in config.lora]
+        settings.update(enable_lora=True, max_loras=len(paths), max_lora_rank=vllm_lora_rank(
+            [lora_rank(path) for path in paths]))
     kv_cache_gib = config.kv_cache_memory_gib
     if kv_cache_gib is None and cpu:
         kv_cache_gib = CPU_KV_CACHE_GIB
@@ -216,8 +221,9 @@ class EngineBase(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None, seed: int | None = None,
-                 priority: int = 0) -> AsyncIterator[list[int]]:
-        """Stream the ids generated for one prompt as DELTA lists; closing the iterator aborts the request."""
+                 priority: int = 0, lora: LoraAdapter | None = None) -> AsyncIterator[list[int]]:
+        """Stream the ids generated for one prompt as DELTA lists (with `lora`, by that adapter of the model);
+        closing the iterator aborts the request."""
 
     def _set_state(self, state: EngineState) -> None:
         self.state = state
@@ -354,7 +360,8 @@ class OrpheusEngine(EngineBase):
 
     # --- generation -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None,
-                       seed: int | None = None, priority: int = 0) -> AsyncIterator[list[int]]:
+                       seed: int | None = None, priority: int = 0,
+                       lora: LoraAdapter | None = None) -> AsyncIterator[list[int]]:
         """Stream the ids the model generates for one prompt, a few at a time (DELTA outputs).
 
         Closing or cancelling the iterator aborts the request in the engine at once.
@@ -370,7 +377,8 @@ class OrpheusEngine(EngineBase):
         self.requests_started += 1
         finished = False
         try:
-            async for output in llm.generate(engine_input(prompt_ids), params, request_id, priority=priority):
+            async for output in llm.generate(engine_input(prompt_ids), params, request_id, priority=priority,
+                                             lora_request=lora_request(lora)):
                 completion = output.outputs[0]
                 finished = output.finished
                 if completion.token_ids:
@@ -386,6 +394,15 @@ class OrpheusEngine(EngineBase):
                 self.requests_aborted += 1
                 with contextlib.suppress(Exception):
                     await llm.abort(request_id)
+
+
+def lora_request(lora: LoraAdapter | None) -> Any:
+    """vLLM's `LoRARequest` of an adapter (None: the base model)."""
+    if lora is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora.name, lora.id, lora.path)
 
 
 async def _shut_down(llm: Any) -> None:

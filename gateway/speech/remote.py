@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from gateway.config import GatewayConfig
+from gateway.model_table import LoraAdapter
 from gateway.speech.engine import (
     WARMUP_PROMPT,
     WARMUP_TOKENS,
@@ -245,7 +246,7 @@ class RemoteEngine(EngineBase):
         """Open the stream on `server`; `ServerUnusableError` when another server should get the request."""
         try:
             response = await _send(session, "POST", f"{server.url}/v1/completions",
-                                   json={**body, "model": server.model})
+                                   json={"model": server.model, **body})
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ServerUnusableError(f"connection failed: {_describe(exc)}") from exc
         if response.status == 200:
@@ -259,7 +260,8 @@ class RemoteEngine(EngineBase):
         raise ServerUnusableError(f"answered {response.status}: {message}")
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None,
-                       seed: int | None = None, priority: int = 0) -> AsyncIterator[list[int]]:
+                       seed: int | None = None, priority: int = 0,
+                       lora: LoraAdapter | None = None) -> AsyncIterator[list[int]]:
         """Stream the ids a server generates for one prompt, a chunk at a time (DELTA lists).
 
         Closing or cancelling the iterator closes the connection, which aborts the request on the server.
@@ -269,6 +271,8 @@ class RemoteEngine(EngineBase):
             raise EngineUnavailableError(f"engine is {self.state.value}")
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         body = self._request_body(prompt_ids, request_id, max_tokens, seed, priority)
+        if lora is not None:  # a server started with --lora-modules serves the adapter under its name
+            body["model"] = lora.name
         self._in_flight.add(request_id)
         self.requests_started += 1
         tried: set[RemoteServer] = set()

@@ -93,6 +93,16 @@ def check_text(text: Any, max_chars: int, *, so_far: int = 0, allow_empty: bool 
 
 
 @dataclass(frozen=True)
+class ModelStats:
+    """One served model's engine (`/metrics`): ready, requests running and sent, audio tokens generated."""
+
+    ready: bool
+    in_flight: int
+    requests: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class VoicedSentence:
     """A sentence spoken by a voice of its own (a span of mixed-language text) instead of the utterance's voice."""
 
@@ -198,13 +208,14 @@ class Synthesizer:
                  ) -> None:
         self.config = config
         self.table = config.model_table
-        first = next(iter(self.table.models))
+        first = next(iter(self.table.bases))
         # One engine and tokenizer per model of the table (`engine`, `tokenizer`: the first model's); each sentence
         # goes to its voice's model's engine.
         self.engines: dict[str, EngineBase] = dict(engines) if engines else {first: engine}
         self.tokenizers: dict[str, Any] = dict(tokenizers) if tokenizers else {first: tokenizer}
         self.engine = engine
         self.tokenizer = tokenizer
+        self.model_tokens = dict.fromkeys(self.engines, 0)  # audio tokens generated per model (`/metrics`)
         self.decoder = decoder
         self.voices = list(config.voice_list)
         self.voice_aliases = config.voice_aliases  # OpenAI's names and --voice-alias (HTTP and streaming doors)
@@ -231,7 +242,7 @@ class Synthesizer:
         engines: dict[str, EngineBase] = {}
         tokenizers: dict[str, Any] = {}
         loaded: dict[str, Any] = {}  # tokenizer path -> tokenizer (models of one base share it)
-        for name in config.model_table.models:
+        for name in config.model_table.bases:  # LoRA adapters run on their base's engine
             model_config = config.for_model(name) if config.model_table.several else config
             path = config.tokenizer or model_config.model
             if path not in loaded:
@@ -270,6 +281,11 @@ class Synthesizer:
         """Both halves can take sentences: the engine is up and the SNAC decoder reachable."""
         return self.decoder_ready and all(engine.ready for engine in self.engines.values())
 
+    def model_stats(self) -> dict[str, ModelStats]:
+        """Each model's engine for `/metrics`: ready, requests running and sent, audio tokens generated."""
+        return {name: ModelStats(engine.ready, engine.in_flight, engine.requests_started,
+                                       self.model_tokens[name]) for name, engine in self.engines.items()}
+
     def not_ready_engines(self) -> dict[str, str]:
         """Model -> engine state of the models whose engine is not ready (`/readyz`)."""
         return {name: engine.state.value for name, engine in self.engines.items() if not engine.ready}
@@ -282,10 +298,6 @@ class Synthesizer:
     def resolve_voice(self, voice: str | None, language: str | None = None) -> str:
         return choose_voice(self.config, voice, language, self.voice_aliases)
 
-    def engine_for(self, voice: str) -> tuple[EngineBase, Any]:
-        """The engine and tokenizer of a served voice's model."""
-        name = self.table.model_for(voice).name
-        return self.engines[name], self.tokenizers[name]
 
     def check_text(self, text: Any) -> str:
         return check_text(text, self.config.max_text_chars)
@@ -370,7 +382,8 @@ class Synthesizer:
         try:
             feed = self._sentence_feed(index, sentence, stats, chunks)  # (left outside, it hung the utterance)
             decoding = feed.task
-            engine, tokenizer = self.engine_for(voice)
+            model, lora = self.table.engine_of(voice)
+            engine, tokenizer = self.engines[model], self.tokenizers[model]
             prompt = build_prompt(tokenizer, voice, sentence)
             if self.config.max_tokens_per_char > 0:
                 max_tokens = sentence_token_cap(len(sentence), self.config.max_tokens_per_char,
@@ -379,7 +392,8 @@ class Synthesizer:
             tokens = 0
             self._awaiting_first_token += 1
             awaiting_first_token = True
-            async with contextlib.aclosing(engine.generate(prompt, max_tokens=max_tokens, seed=seed)) as ids:
+            async with contextlib.aclosing(engine.generate(prompt, max_tokens=max_tokens, seed=seed,
+                                                           lora=lora)) as ids:
                 async for token_ids in ids:
                     now = time.monotonic()
                     if first_token_at is None:
@@ -391,6 +405,7 @@ class Synthesizer:
                             stats.first_token_at = now
                     tokens += len(token_ids)
                     stats.tokens += len(token_ids)
+                    self.model_tokens[model] += len(token_ids)
                     frames = parser.feed(token_ids)
                     if frames:
                         early = feed.received == 0 and stats.first_audio_at is None and \
@@ -494,6 +509,9 @@ def require_checkpoints(config: GatewayConfig) -> None:
     if config.tokenizer:
         require_checkpoint(config.tokenizer, "tokenizer", "--tokenizer")
     for name, spec in config.model_table.models.items():
+        if spec.lora_of is not None:
+            require_checkpoint(spec.path, f"LoRA adapter {name!r}", "--lora or [loras] in --models-file")
+            continue
         what = "model" if not config.model_table.several else f"model {name!r}"
         if config.tokenizer:
             pass
