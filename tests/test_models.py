@@ -95,6 +95,12 @@ def test_models_file_sets_voices_languages_sampling_and_shares(tmp_path: Path) -
     pt = config.for_model("pt")
     assert (pt.model, pt.temperature, pt.kv_cache_memory_gib, pt.voice) == ("/m/pt", 0.7, 0.25, "rui")
     assert config.for_model("en").temperature == config.temperature
+    # Each engine has its own sequences: admission and the SNAC decoder's streams count both.
+    from gateway.service.admission import Admission
+    from gateway.speech.synthesizer import STREAM_SLOT_SPARE, decoder_settings
+
+    assert Admission.from_config(config).max_streams == 2 * config.max_num_seqs
+    assert decoder_settings(config).max_streams == 2 * config.max_num_seqs + STREAM_SLOT_SPARE
     same = parse(["--models-file", write_models(tmp_path, json.dumps({"models": {
         "en": {"path": "/m/en", "voices": ["tara", "leo"]}, "pt": {"path": "/m/pt", "voices": ["ana"],
                                                                    "languages": ["pt-BR"]}}}), ".json")])

@@ -6,6 +6,7 @@ Owns: `protocol` and its `errors`, `Session`, `Speaker`, `PlayoutReporter`, `Ses
 rate), `timings` (made off the event loop, one aligner per process), `replay` (recordings and `repeat`), `rtpclock`
 (RTP timestamps of the audio track).
 May import: `gateway.speech` (the synthesizer), `gateway.media` (playout, Opus, time-stretch), `gateway.service`
-(admission, metrics), `gateway.timing` (word timings, visemes), `gateway.config`, `gateway.orpheus`, aiortc. Not the
-HTTP edge: signalling routes live in `gateway.edge.signalling` and hand sessions what they need.
+(admission, metrics), `gateway.timing` (word timings, visemes), `gateway.config`, `gateway.model_table`,
+`gateway.orpheus`, aiortc. Not the HTTP edge: signalling routes live in `gateway.edge.signalling` and hand sessions
+what they need.
 """

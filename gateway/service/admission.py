@@ -107,7 +107,8 @@ class Admission:
 
     @classmethod
     def from_config(cls, config: GatewayConfig, shared: StreamCounts | None = None) -> Admission:
-        engine_slots = config.max_num_seqs * config.data_parallel_size
+        # Every served model has an engine of its own (LoRA adapters share their base's).
+        engine_slots = config.max_num_seqs * config.data_parallel_size * len(config.model_table.bases)
         return cls(config.max_sessions, config.max_in_flight_utterances or engine_slots,
                    config.engine_tokens_per_second, shared)
 

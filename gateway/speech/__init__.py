@@ -7,6 +7,6 @@ audio goes out; `codec`: one decoder shared over a Unix socket, its wire format,
 `Decoder` protocol both the local decoder and the codec client meet), `synthesizer.Synthesizer`, the one interface
 every front end uses, with its request rules (`check_text`, `resolve_voice`), checkpoint checks (`checkpoints`),
 language spans (`language_spans`), and the layer's exceptions (`errors`).
-May import: `gateway.orpheus` (model facts), `gateway.config`, vllm, torch, snac, numpy, aiohttp (the remote
-engine). Nothing about sessions, playout or HTTP routes: those are above it.
+May import: `gateway.orpheus` (model facts), `gateway.model_table`, `gateway.config`, vllm, torch, snac, numpy,
+aiohttp (the remote engine). Nothing about sessions, playout or HTTP routes: those are above it.
 """

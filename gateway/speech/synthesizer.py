@@ -558,7 +558,8 @@ def _stream_decoder(config: GatewayConfig) -> Decoder:
 
 def _stream_slots(config: GatewayConfig) -> int:
     """Streams open at once: a sentence per engine sequence, and the spare for sentences whose audio is still out."""
-    return config.max_num_seqs * config.data_parallel_size + STREAM_SLOT_SPARE
+    engines = len(config.model_table.bases)  # one per served model, each with its own sequences
+    return config.max_num_seqs * config.data_parallel_size * engines + STREAM_SLOT_SPARE
 
 
 def decoder_settings(config: GatewayConfig) -> DecoderSettings:
