@@ -586,10 +586,15 @@ def test_snac_roofline_counts_the_flops_torch_counts_for_a_full_decode(tmp_path:
 
     out = tmp_path / "roofline.json"
     assert snac_roofline.main(["--device", "cpu", "--batch", "2", "--reps", "1", "--dtype", "float32",
-                               "--out", str(out)]) == 0
+                               "--peak-tflops", "1", "--peak-tbps", "0.05", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     layers = result["layers"]
     assert len(layers) == 2 + 4 * (2 + 2 + 3 * 5) + 3 and all(r["step_us"] > 0 for r in layers)
+    # The limit is the slower of arithmetic and traffic at the given peaks: 1 TFLOP/s, 50 GB/s.
+    for r in layers:
+        assert r["limit_us"] == pytest.approx(max(r["flops"] / 1e12, r["bytes"] / 5e10) * 1e6)
+    assert {r["bound"] for r in layers} == {"compute", "memory"}
+    assert result["totals"]["fused_limit_us"] < result["totals"]["limit_us"]
     frames = 12
     model = SNAC(**SNAC_24KHZ_CONFIG).eval()
     codes = [torch.zeros(1, frames * n, dtype=torch.long) for n in (1, 2, 4)]

@@ -2,7 +2,7 @@
 arithmetic and memory traffic per second of audio, how long it takes alone on this device, and the least time the
 device's peak rates allow it.
 
-    python -m gateway.benchmarks.snac_roofline --batch 384 --out snac_roofline.json            # on a GPU
+    python -m gateway.benchmarks.snac_roofline --batch 384 --peak-tflops 989 --peak-tbps 3.35 --out r.json  # GPU
     python -m gateway.benchmarks.snac_roofline --device cpu --batch 4 --reps 2 --out r.json      # smoke check
 
 Each layer runs alone on inputs of its shape in the step (one frame per stream, with its kept history), in the
@@ -10,7 +10,7 @@ decoder's dtype, eagerly (the kernels PyTorch picks for it); on CUDA `--reps` ca
 replayed, so a figure is the layer's GPU time without launch overhead. Bytes are the layer's own traffic, read
 once and written once (inputs with their history, outputs, weights); FLOPs count what the kernel computes (a
 transposed convolution's step computes its kept inputs' outputs too). The limit is the larger of FLOPs / peak
-FLOP rate and bytes / peak bandwidth (`--peak-tflops`, `--peak-tbps`, or the table below by device name).
+FLOP rate and bytes / peak bandwidth (`--peak-tflops`, `--peak-tbps`: the card's data sheet, dense, in the dtype).
 The "fused" line is the traffic left if every elementwise layer (Snake, noise, residual adds, masks) were folded
 into the convolutions' loads and stores: the floor for kernels that fuse them.
 """
@@ -33,9 +33,6 @@ from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
 from gateway.speech.snac import DTYPES
 from gateway.speech.snac.layers import LATENT_PER_FRAME, DecoderLayers
 
-# Dense bf16 tensor-core FLOP/s and HBM bandwidth (bytes/s) by a substring of the device name (vendor data sheets,
-# SXM parts). A device not listed needs --peak-tflops and --peak-tbps for the limit columns.
-PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
 ELEMENTWISE_FLOPS = {"snake": 6, "noise": 4, "add": 1, "tanh": 1}  # per element: Snake is x + sin(a x)^2 / a
 FRAMES_PER_SECOND = SAMPLE_RATE / SAMPLES_PER_FRAME
 
@@ -157,12 +154,6 @@ class Roofline:
         return self.layers
 
 
-def peaks_of(device: torch.device, tflops: float | None, tbps: float | None) -> tuple[float | None, float | None]:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    listed = next((v for k, v in PEAKS.items() if k in name), (None, None))
-    return (tflops * 1e12 if tflops else listed[0]), (tbps * 1e12 if tbps else listed[1])
-
-
 def summarise(layers: list[Layer], batch: int, peak_flops: float | None, peak_bw: float | None) -> dict[str, Any]:
     rows = []
     for layer in layers:
@@ -224,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--reps", type=int, default=20, help="calls per timing (one CUDA graph on a GPU)")
-    parser.add_argument("--peak-tflops", type=float, help="the device's dense FLOP rate in this dtype, TFLOP/s")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense FLOP rate in this dtype, TFLOP/s "
+                        "(without both peaks: no limit columns)")
     parser.add_argument("--peak-tbps", type=float, help="the device's memory bandwidth, TB/s")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return parser
@@ -239,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     model = SNAC(**SNAC_24KHZ_CONFIG).eval()
     decoder = DecoderLayers(model, device, dtype)
     layers = Roofline(decoder, args.batch, device, dtype, args.reps).run()
-    peak_flops, peak_bw = peaks_of(device, args.peak_tflops, args.peak_tbps)
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
+    peak_bw = args.peak_tbps * 1e12 if args.peak_tbps else None
     result = summarise(layers, args.batch, peak_flops, peak_bw)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result.update(device=name, batch=args.batch, dtype=args.dtype, reps=args.reps, peak_flops=peak_flops,
