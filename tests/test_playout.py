@@ -23,13 +23,9 @@ from gateway.media.playout import (
     REANCHOR_LATENESS_S,
     SAMPLE_RATE_IN,
     SAMPLE_RATE_OUT,
-    Marker,
-    MarkerReached,
-    PlayoutEvent,
     PlayoutTrack,
-    UtteranceFinished,
-    UtteranceStarted,
 )
+from gateway.media.playout_events import Marker, MarkerReached, PlayoutEvent, UtteranceFinished, UtteranceStarted
 
 RATIO = SAMPLE_RATE_OUT // SAMPLE_RATE_IN
 AMPLITUDE = 10000

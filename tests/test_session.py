@@ -18,7 +18,7 @@ from gateway.devtools.client import RECEIVE_PREFETCH_PACKETS, HeadlessPeer
 from gateway.edge.app import create_app
 from gateway.edge.http import GATEWAY_KEY
 from gateway.edge.state import GatewayState
-from gateway.media.playout import UtteranceStarted
+from gateway.media.playout_events import UtteranceStarted
 from gateway.rtc.protocol import MAX_MESSAGE_BYTES
 from gateway.rtc.session import Session
 from gateway.speech.synthesizer import Synthesizer

@@ -1,31 +1,16 @@
 """Per-session paced audio track with a per-utterance jitter buffer.
 
-The session pushes TTS PCM (24 kHz mono int16) as it is produced; aiortc's RTP
-sender calls :meth:`PlayoutTrack.recv` in a loop and sends each returned frame
-immediately, so the track owns the clock: frame ``k`` is returned at
-``t0 + k * 20 ms``, with silence whenever no audio is ready, so the RTP stream
-never stalls.
+The session pushes TTS PCM (24 kHz mono int16) as it is produced; aiortc's RTP sender calls
+:meth:`PlayoutTrack.recv` in a loop, so the track owns the clock: frame ``k`` leaves at ``t0 + k * 20 ms``, silence
+when no audio is ready, and the RTP stream never stalls. Utterances play back to back in the order begun, each with
+its own jitter buffer (it starts once ``jitter_buffer_ms`` of its audio is in, or it has ended). Running dry after the
+start is an underrun (silence sent and counted; play resumes with the next whole frame, no re-buffering), except
+after the last whole frame of an utterance whose end then arrives. An utterance ready while the track idles starts
+at once instead of at the next slot (TTFA 0-20 ms sooner). The start counts pushed (input) audio, so the
+resampler's filter delay never holds it back.
 
-Audio is organised in utterances (string ids) that play back to back in the
-order they were begun. Each utterance has its own jitter buffer: playback
-starts only once ``jitter_buffer_ms`` of its audio has been pushed, or the
-utterance has been ended. Once started, running dry before the end is an
-underrun (silence is sent and counted); playback resumes as soon as a whole
-frame is ready again (no re-buffering, which would only lengthen the gap).
-Running dry after the last whole frame while the end has not arrived yet is
-silence sent but, once the end comes, not an underrun: only the flushed
-remainder (< 1 frame) follows it, and the listener heard the utterance out.
-An utterance that becomes ready to start while the track idles (its previous
-frame was silence) does not wait for the next 20 ms slot: the sleeping ``recv``
-returns its first frame at once and the clock is kept from there (TTFA 0-20 ms
-sooner, 10 on average; the receiver sees one packet early).
-The start threshold counts pushed (input) audio, so the resampler's ~0.7 ms
-filter delay never holds back the start.
-
-All methods must be called from the event loop thread that runs ``recv``,
-except :meth:`PlayoutTrack.lead_s`, which the SNAC decoder's thread reads
-(it takes no lock: see there). One consumer only:
-fan out with ``aiortc.contrib.media.MediaRelay`` if several peers need it.
+Call everything from the event loop that runs ``recv``, except :meth:`PlayoutTrack.lead_s` (the SNAC decoder's
+thread reads it, lock-free). One consumer: fan out with ``aiortc.contrib.media.MediaRelay``.
 """
 
 from __future__ import annotations
@@ -44,6 +29,14 @@ import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from gateway.config import JITTER_BUFFER_MAX_MS
+from gateway.media.playout_events import (
+    Marker,
+    MarkerReached,
+    PlayoutEvent,
+    PlayoutStats,
+    UtteranceFinished,
+    UtteranceStarted,
+)
 from gateway.orpheus import SAMPLE_RATE
 
 __all__ = [
@@ -53,13 +46,7 @@ __all__ = [
     "SAMPLE_FORMAT",
     "SAMPLE_RATE_IN",
     "SAMPLE_RATE_OUT",
-    "Marker",
-    "MarkerReached",
-    "PlayoutEvent",
-    "PlayoutStats",
     "PlayoutTrack",
-    "UtteranceFinished",
-    "UtteranceStarted",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,95 +65,24 @@ PCM_DTYPE = np.dtype(np.int16)
 FRAME_BYTES = FRAME_SAMPLES * PCM_DTYPE.itemsize  # 1920
 TIME_BASE = Fraction(1, SAMPLE_RATE_OUT)
 
-# --- Input: Orpheus/SNAC produces 24 kHz mono int16.
-SAMPLE_RATE_IN = SAMPLE_RATE  # the input: SNAC's PCM (gateway.orpheus)
+SAMPLE_RATE_IN = SAMPLE_RATE  # the input: SNAC's 24 kHz mono int16 PCM (gateway.orpheus)
+MIN_JITTER_BUFFER_MS = 0  # ms of an utterance's audio queued before it starts; the maximum is the configuration's
 
-# --- Jitter buffer bounds (ms of an utterance's audio queued before it starts): the configuration's.
-MIN_JITTER_BUFFER_MS = 0
-
-# A frame that is late by less than this is sent at once, and the frames after it
-# catch up with the clock: receivers' jitter buffers absorb a short burst, while
-# re-anchoring on every late frame made a busy loop (H200 run, 32+ peers, loop lag
-# p95 29-207 ms) play audio slower than real time. Later than this, the loop
-# really stalled: re-anchor instead of bursting out the whole backlog.
+# A frame late by less than this is sent at once and the frames after it catch up with the clock (receivers'
+# jitter buffers absorb a short burst; re-anchoring on every late frame played a busy loop's audio slower than real
+# time). Later than this the loop really stalled: re-anchor instead of bursting the backlog
+# (docs/decisions/playout-clock.md).
 REANCHOR_LATENESS_S = 10 * FRAME_SECONDS
 # An audio frame handed to the sender this much after its slot counts as sent late (`late_frames`): the server's
-# share of the delivery lateness a listener's jitter buffer must absorb (H100, 2026-12-06: 0 ms peers counted
-# stalls of 11-35 ms at the client with no underrun). Half a frame, as the bench's stall tolerance.
+# share of the delivery lateness a listener's jitter buffer must absorb. Half a frame, as the bench's stall tolerance.
 LATE_FRAME_S = FRAME_SECONDS / 2
 
-# Log the first few internal errors with a traceback; after that only count
-# them, so a persistent bug cannot flood the log at 50 lines/s per track.
+# Log the first few internal errors with a traceback, then only count them (no flood at 50 lines/s per track).
 MAX_LOGGED_ERRORS = 5
 MAX_UNDERRUNS_LISTED = 16  # underrun positions a finished utterance reports (its count has them all)
 
-# Built once: every silence frame copies from this.
-_SILENCE = bytes(FRAME_BYTES)
-
-# A queued frame: exactly FRAME_BYTES of s16 samples (bytes or an int16 view).
-_FramePayload = bytes | np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class Marker:
-    """Base of what a caller places in an utterance's audio with `PlayoutTrack.mark`: subclass it with the fields
-    it wants back in the `MarkerReached` event when that point plays."""
-
-
-# The events, each reported at the moment a frame is handed to the sender. `timestamp` is the track clock
-# (`time.monotonic` unless injected) at the recv that returned the frame; `pts` is that frame's pts (48 kHz
-# samples since the track's first frame: where the event sits in the RTP stream).
-
-
-@dataclass(frozen=True, slots=True)
-class UtteranceStarted:
-    """The utterance's first frame left."""
-
-    utterance_id: str
-    timestamp: float
-    pts: int
-
-
-@dataclass(frozen=True, slots=True)
-class MarkerReached:
-    """The frame holding the sample after `marker` left (with the last frame if no audio followed it)."""
-
-    utterance_id: str
-    timestamp: float
-    pts: int
-    marker: Marker
-
-
-@dataclass(frozen=True, slots=True)
-class UtteranceFinished:
-    """The utterance's last frame left: how it played."""
-
-    utterance_id: str
-    timestamp: float
-    pts: int
-    audio_ms: int
-    underruns: int
-    underrun_ms: int
-    underrun_at_ms: tuple[int, ...]  # audio played when each underrun began, the first MAX_UNDERRUNS_LISTED
-    late_frames: int  # audio frames handed to the sender more than LATE_FRAME_S after their slot
-    max_late_ms: float  # the latest of its audio frames, after its slot
-
-
-PlayoutEvent = UtteranceStarted | MarkerReached | UtteranceFinished
-
-
-@dataclass(frozen=True, slots=True)
-class PlayoutStats:
-    frames_sent: int
-    silence_frames: int
-    underruns: int
-    underrun_ms: int
-    reanchors: int
-    early_starts: int  # utterances whose first frame went out before its slot (the track idled)
-    queued_ms: int
-    queued_utterances: int
-    errors: int
-    callback_errors: int
+_SILENCE = bytes(FRAME_BYTES)  # built once: every silence frame copies from this
+_FramePayload = bytes | np.ndarray  # a queued frame: exactly FRAME_BYTES of s16 samples (bytes or an int16 view)
 
 
 @dataclass(slots=True, eq=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.media.playout import MarkerReached, PlayoutEvent, UtteranceFinished, UtteranceStarted
+from gateway.media.playout_events import MarkerReached, PlayoutEvent, UtteranceFinished, UtteranceStarted
 from gateway.rtc import protocol
 from gateway.rtc.timeline import SentenceStart, UtteranceTimelines
 from gateway.rtc.utterance import Utterance
