@@ -1,6 +1,7 @@
 """What ships reads as a product, not a lab notebook: nothing under gateway/ names a card or a date (measurements
 live in docs/decisions/ and docs/benchmarks*.md), no module is over 600 lines without saying why, docs/benchmarks.md
-is a short page whose command lines all parse, and every relative link of the docs points to a file."""
+is a short page whose command lines all parse, every relative link of the docs points to a file, and the README's
+layout table matches the tree."""
 
 from __future__ import annotations
 
@@ -125,3 +126,29 @@ def relative_links(path: Path) -> list[str]:
 def test_every_relative_link_of_the_docs_points_to_a_file(page: Path) -> None:
     missing = [target for target in relative_links(page) if not (page.parent / target).exists()]
     assert not missing, f"{page.relative_to(ROOT)} links to what is not there: {missing}"
+
+
+def readme_layout() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    return readme[readme.index("## Layout"):readme.index("\n## ", readme.index("## Layout") + 1)]
+
+
+def test_the_readme_layout_table_matches_the_tree() -> None:
+    """Every package, top-level module and shipped folder of gateway/ has a row, every module a package's row names
+    exists, and every path the table names exists."""
+    table = readme_layout()
+    rows = {match.group(1) for match in re.finditer(r"^\| `([^`]+)` \|", table, re.M)}
+    expected = {f"gateway/{p.name}/" for p in GATEWAY.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    expected |= {f"gateway/{p.name}" for p in GATEWAY.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    assert expected <= rows, sorted(expected - rows)
+    missing = [row for row in rows if not (ROOT / row).exists()]
+    assert not missing, missing
+    for line in table.splitlines():
+        package = re.match(r"^\| `gateway/(\w+)/` \|", line)
+        if package is None:
+            continue
+        folder = GATEWAY / package.group(1)
+        cell = line.split("|")[2]
+        named = {name.rstrip("/") for name in INLINE_CODE.findall(cell) if re.fullmatch(r"[a-z_]+/?", name)}
+        modules = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if p.is_dir()}
+        assert named <= modules, (package.group(1), sorted(named - modules))
