@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from gateway.benchmarks.webrtc_level import audio_frames, delivery_jitter_ms
 from gateway.config import GatewayConfig
 from gateway.devtools.client import OPUS_RATE, ReceivedFrame
 from gateway.speech.synthesizer import Synthesizer
+from tests.support import running
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LOUD, TAIL, QUIET = 3000.0, 25.0, 0.0
@@ -604,3 +607,45 @@ def test_snac_roofline_counts_the_flops_torch_counts_for_a_full_decode(tmp_path:
     torch_gflop = counter.get_total_flops() / audio_s / 1e9
     conv_gflop = sum(r["gflop_per_audio_s"] for r in layers if r["kind"].startswith("conv"))
     assert torch_gflop <= conv_gflop <= 1.1 * torch_gflop, (conv_gflop, torch_gflop)
+
+
+@pytest.mark.engine
+async def test_text_doors_measure_a_running_gateway_at_several_utterances_at_once(
+        synthesizer: Synthesizer, test_config: GatewayConfig) -> None:
+    """benchmarks.text_doors (the `--gateway-url` path, CPU smoke): two utterances at once through each door, their
+    first audio and first words timed; the CLI's concurrency list refuses what it cannot run."""
+    from gateway.benchmarks import text_doors
+
+    async with running(replace(test_config, max_tokens=28), synthesizer) as (base, _gateway):
+        result = await text_doors.measure(base, [2], utterances=2)
+    assert set(result["results"]) == {"2"}
+    for door in text_doors.DOORS:
+        samples = result["samples_s"]["2"][door]
+        assert len(samples["first_audio"]) == len(samples["first_words"]) == 2
+        assert all(0 < s < text_doors.TIMEOUT_S for s in samples["first_audio"] + samples["first_words"])
+        assert result["results"]["2"][door]["first_audio"]["n"] == 2
+    assert text_doors.parse_concurrency("1,64") == [1, 64]
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            text_doors.parse_concurrency(bad)
+
+
+@pytest.mark.engine
+async def test_class_sim_cache_on_generates_each_scripted_line_once(synthesizer: Synthesizer,
+                                                                    test_config: GatewayConfig,
+                                                                    tmp_path: Path) -> None:
+    """benchmarks.class_sim (the `--gateway-url` path, CPU smoke, a two-line lesson, no free lines): one gateway with
+    `--phrase-cache marked` serves both modes; off, every line goes to the engine and nothing is a hit; on, each
+    line is generated once (single flight) and the gateway counts its hits."""
+    from gateway.benchmarks import class_sim
+
+    config = replace(test_config, max_tokens=28, phrase_cache="marked", phrase_cache_dir=str(tmp_path / "phrases"))
+    async with running(config, synthesizer) as (base, _gateway):
+        off, on = await class_sim.measure(base, [3], lines=2, free=0.0, seed=1)
+    assert (off.mode, on.mode) == ("off", "on") and off.voice == on.voice
+    assert len(off.results) == len(on.results) == 6
+    assert off.hits_counted == 0 and not [r for r in off.results if r.kind == "hit"]
+    assert 0 < on.tokens <= off.tokens / 2
+    assert on.hits_counted >= len([r for r in on.results if r.kind == "hit"])
+    figures = class_sim.summary(on)
+    assert figures["requests"] == 6 and 0 <= figures["real_time_students"] <= 3

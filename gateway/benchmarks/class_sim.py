@@ -1,40 +1,45 @@
-"""A class following one scripted lesson, with the phrase cache off and on, in the same run (tiny random model,
-CPU): engine tokens generated, time to first audio of hits and misses, and streams that kept real time.
+"""A class following one scripted lesson, with the phrase cache off and on, in the same run: engine tokens generated,
+time to first audio of hits and misses, and streams that kept real time. On the tiny random model (CPU) by default,
+or against a gateway already running (`--gateway-url`, e.g. `serve --workers 8` on a GPU).
 
     .venv/bin/python -m gateway.benchmarks.class_sim                          # 6 students, 20 lines, 20 % free
     .venv/bin/python -m gateway.benchmarks.class_sim --students 8 --free 0.2
+    python -m gateway.benchmarks.class_sim --gateway-url http://127.0.0.1:8800 --students 64,128,256,384
 
-Each student is one client of `POST /v1/audio/speech` (pcm), saying the lesson's lines in order from a random line
-and after a random delay (0-2 s), one at a time; each line is, with probability `--free`, a free line instead (text
-no other student says, sent with `cache: false`, as an LLM tutor's answer would be). Scripted lines are sent with
-`cache: true`. A scripted request counts as a hit when an earlier request for its line had finished (client side;
-the gateway's hit counter is printed beside). TTFA: request to its first body bytes. Real time: every byte arrived
-before a listener that starts 500 ms after the first audio would play it. Engine tokens: every token id the engine
-yielded (counted around its generate). The same seeds drive both modes.
+Each student is one client of `POST /v1/audio/speech` (pcm), saying the lesson's lines (20, or the first `--lines`)
+in order from a random line and after a random delay (0-2 s), one at a time; each line is, with probability
+`--free`, a free line instead (text no other student says, sent with `cache: false`, as an LLM tutor's answer would
+be). One gateway serves both modes: it runs with `--phrase-cache marked` (the local gateway here does;
+`--gateway-url` needs it), and the cache-off run sends the scripted lines with `cache: false` (the route then
+neither reads nor keeps them: the path a `--phrase-cache off` deployment takes), the cache-on run with `cache:
+true`. Each class size speaks in its own voice (a voice is part of the cache key), so every cache-on run starts
+cold, in its off run's voice. A scripted request counts as a hit when an earlier request for its line had finished
+(client side; the gateway's hit counter is printed beside). TTFA: request to its first body bytes. Real time: every
+byte arrived before a listener that starts 500 ms after the first audio would play it; a student held real time when
+every one of its requests did. Engine tokens: the gateway's `orpheus_audio_tokens_total` over the run (a single
+flight's tokens counted once). The same seeds drive both modes. Writes the runs as JSON and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import random
 import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from gateway.config import from_sources
-from gateway.edge.app import create_app
-from gateway.edge.http import GATEWAY_KEY
-from gateway.orpheus import SAMPLE_RATE
-from gateway.speech.synthesizer import Synthesizer
+from gateway.orpheus import ENGLISH_VOICES, SAMPLE_RATE
 
 LESSON = [
     "Bom dia! Como você está?", "Good morning! How are you?", "Eu me chamo Ana.", "And what is your name?",
@@ -43,13 +48,18 @@ LESSON = [
     "É muito caro!", "It is too expensive.", "Você fala inglês?", "Do you speak English?", "Um pouco.",
     "Just a little.", "Com licença.", "Excuse me, please.",
 ]
+MODES = ("off", "on")
 BUFFER_S = 0.5  # the lessons' listener buffer
-MAX_TOKENS = 140  # 20 frames, 1.7 s of audio at most per sentence
+MAX_TOKENS = 140  # the local tiny gateway: 20 frames, 1.7 s of audio at most per sentence
 BYTES_PER_SAMPLE = 2
+TOKENS_METRIC = "orpheus_audio_tokens_total"
+HITS_METRIC = "orpheus_phrase_cache_hits_total"
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
 
 
 @dataclass
 class Result:
+    student: int
     kind: str  # "hit", "miss" (scripted, first of its line or beside it) or "free"
     ttfa_s: float
     real_time: bool
@@ -58,18 +68,22 @@ class Result:
 @dataclass
 class Run:
     mode: str
-    tokens: int = 0
+    students: int
+    voice: str
+    tokens: float = 0.0
     results: list[Result] = field(default_factory=list)
     hits_counted: float = 0.0
     wall_s: float = 0.0
 
 
-async def one_request(http: aiohttp.ClientSession, url: str, text: str, cache: bool) -> tuple[float, bool]:
+async def one_request(http: aiohttp.ClientSession, url: str, text: str, voice: str,
+                      cache: bool) -> tuple[float, bool]:
     started = time.perf_counter()
     first_at: float | None = None
     received = 0
     late = False
-    async with http.post(url, json={"input": text, "response_format": "pcm", "cache": cache}) as resp:
+    body = {"input": text, "voice": voice, "response_format": "pcm", "cache": cache}
+    async with http.post(url, json=body) as resp:
         resp.raise_for_status()
         async for chunk in resp.content.iter_any():
             now = time.perf_counter()
@@ -81,59 +95,90 @@ async def one_request(http: aiohttp.ClientSession, url: str, text: str, cache: b
     return ((first_at or time.perf_counter()) - started), not late
 
 
-async def student(index: int, http: aiohttp.ClientSession, url: str, free: float, seed: int, done_lines: set[str],
-                  run: Run) -> None:
+async def student(index: int, http: aiohttp.ClientSession, url: str, lesson: list[str], free: float, seed: int,
+                  done_lines: set[str], run: Run) -> None:
     rng = random.Random(seed * 1000 + index)
     await asyncio.sleep(rng.uniform(0, 2.0))
-    start = rng.randrange(len(LESSON))
-    for step in range(len(LESSON)):
+    start = rng.randrange(len(lesson))
+    for step in range(len(lesson)):
         if rng.random() < free:
             text, cache, kind = f"Student {index} asks a free question number {step}.", False, "free"
         else:
-            text, cache = LESSON[(start + step) % len(LESSON)], True
-            kind = "hit" if run.mode == "on" and text in done_lines else "miss"
-        ttfa_s, real_time = await one_request(http, url, text, cache)
-        if cache:
-            done_lines.add(text)
-        run.results.append(Result(kind, ttfa_s, real_time))
+            text, cache = lesson[(start + step) % len(lesson)], run.mode == "on"
+            kind = "hit" if cache and text in done_lines else "miss"
+        ttfa_s, real_time = await one_request(http, url, text, run.voice, cache)
+        done_lines.add(text)
+        run.results.append(Result(index, kind, ttfa_s, real_time))
 
 
-def counting(synthesizer: Synthesizer, run: Run) -> Any:
-    """The engine's generate, counting every token id it yields into `run`."""
-    real = synthesizer.engine.generate
+async def counters(http: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """The gateway's tokens and phrase-cache hits so far, summed over its processes (its merged /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[list[int]]:
-        async for ids in real(*args, **kwargs):
-            run.tokens += len(ids)
-            yield ids
+    async with http.get(f"{base}/metrics") as resp:
+        resp.raise_for_status()
+        exposition = await resp.text()
+    sums = dict.fromkeys((TOKENS_METRIC, HITS_METRIC), 0.0)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums
 
-    return generate
 
-
-async def simulate(mode: str, synthesizer: Synthesizer, config: Any, students: int, free: float, seed: int,
-                   folder: Path) -> Run:
-    run = Run(mode)
-    cfg = replace(config, phrase_cache="marked" if mode == "on" else "off", phrase_cache_dir=str(folder / mode))
-    real = synthesizer.engine.generate
-    synthesizer.engine.generate = counting(synthesizer, run)  # type: ignore[method-assign]
-    runner = web.AppRunner(create_app(cfg, synthesizer))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}/v1/audio/speech"
+async def simulate(base: str, mode: str, students: int, voice: str, lesson: list[str], free: float,
+                   seed: int) -> Run:
+    run = Run(mode, students, voice)
     done_lines: set[str] = set()
-    started = time.perf_counter()
-    try:
-        async with aiohttp.ClientSession() as http:
-            await asyncio.gather(*(student(k, http, url, free, seed, done_lines, run) for k in range(students)))
-        gateway = runner.app[GATEWAY_KEY]
-        run.hits_counted = gateway.metrics.registry.get_sample_value("orpheus_phrase_cache_hits_total") or 0.0
-    finally:
+    connector = aiohttp.TCPConnector(limit=0)  # every student its own connection
+    async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT) as http:
+        before = await counters(http, base)
+        started = time.perf_counter()
+        await asyncio.gather(*(student(k, http, f"{base}/v1/audio/speech", lesson, free, seed, done_lines, run)
+                               for k in range(students)))
         run.wall_s = time.perf_counter() - started
-        synthesizer.engine.generate = real  # type: ignore[method-assign]
-        await runner.cleanup()
+        after = await counters(http, base)
+    run.tokens = after[TOKENS_METRIC] - before[TOKENS_METRIC]
+    run.hits_counted = after[HITS_METRIC] - before[HITS_METRIC]
     return run
+
+
+async def measure(base: str, sizes: list[int], lines: int, free: float, seed: int) -> list[Run]:
+    """Each class size, cache off then on, in its own voice, on the lesson's first `lines` lines."""
+    runs = []
+    for size, voice in zip(sizes, ENGLISH_VOICES, strict=False):
+        for mode in MODES:
+            runs.append(await simulate(base, mode, size, voice, LESSON[:lines], free, seed))
+            print(report([runs[-1]], lines, free).splitlines()[-1], flush=True)
+    return runs
+
+
+@contextlib.asynccontextmanager
+async def local_gateway(max_students: int, seed: int, root: Path) -> AsyncIterator[str]:
+    """The tiny random model served on loopback with `--phrase-cache marked`: its base url."""
+    from gateway.config import from_sources
+    from gateway.devtools.devmodels import build_test_model, build_test_snac
+    from gateway.edge.app import create_app
+    from gateway.speech.synthesizer import Synthesizer
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
+    snac = build_test_snac(root / "snac")
+    config = from_sources(env={}, model=str(model), snac_model=str(snac), snac_device="cpu", enforce_eager=True,
+                          max_model_len=1024, max_num_seqs=max(8, max_students), max_tokens=MAX_TOKENS,
+                          dtype="float32", warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0,
+                          seed=seed, phrase_cache="marked", phrase_cache_dir=str(root / "phrases"))
+    synthesizer = Synthesizer.load(config)
+    await synthesizer.start()
+    runner = web.AppRunner(create_app(config, synthesizer))
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+        await synthesizer.close()
 
 
 def p(values: list[float], q: int) -> float:
@@ -144,53 +189,79 @@ def p(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def report(runs: list[Run], students: int, free: float) -> str:
-    lines = [f"{students} students x {len(LESSON)} lines, {free:.0%} free lines; CPU {os.cpu_count()} cores, load "
-             f"{os.getloadavg()[0]:.1f}",
+def summary(run: Run) -> dict[str, Any]:
+    """The run's figures: tokens, TTFA p50/p95 (ms) per kind, real-time requests and students held."""
+    ttfa = {}
+    for kind in ("hit", "miss", "free"):
+        values = [r.ttfa_s * 1000 for r in run.results if r.kind == kind]
+        ttfa[kind] = {"n": len(values), "p50_ms": p(values, 50), "p95_ms": p(values, 95)}
+    return {"mode": run.mode, "students": run.students, "voice": run.voice, "engine_tokens": run.tokens,
+            "ttfa": ttfa, "requests": len(run.results), "real_time_requests": sum(r.real_time for r in run.results),
+            "real_time_students": run.students - len({r.student for r in run.results if not r.real_time}),
+            "gateway_hits": run.hits_counted, "wall_s": run.wall_s}
+
+
+def report(runs: list[Run], lesson_lines: int, free: float) -> str:
+    lines = [f"{lesson_lines} lines per student, {free:.0%} free lines; client host {os.cpu_count()} cores, load "
+             f"{os.getloadavg()[0]:.1f}; real time at a {BUFFER_S * 1000:.0f} ms buffer",
              "",
-             "| cache | engine tokens | TTFA p50 / p95 hits (ms) | TTFA p50 / p95 misses (ms) | TTFA p50 / p95 free "
-             "(ms) | real-time requests | gateway hits | wall (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| students | cache | engine tokens | TTFA p50 / p95 hits (ms) | TTFA p50 / p95 misses (ms) | TTFA p50 / "
+             "p95 free (ms) | real-time requests | real-time students | gateway hits | wall (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        def ms(kind: str, q: int, run: Run = run) -> str:
-            values = [r.ttfa_s * 1000 for r in run.results if r.kind == kind]
-            return "-" if not values else f"{p(values, q):.0f}"
-        held = sum(r.real_time for r in run.results)
-        lines.append(f"| {run.mode} | {run.tokens} | {ms('hit', 50)} / {ms('hit', 95)} | {ms('miss', 50)} / "
-                     f"{ms('miss', 95)} | {ms('free', 50)} / {ms('free', 95)} | {held} of {len(run.results)} | "
-                     f"{run.hits_counted:.0f} | {run.wall_s:.0f} |")
+        figures = summary(run)
+
+        def ms(kind: str, figures: dict[str, Any] = figures) -> str:
+            row = figures["ttfa"][kind]
+            return "-" if not row["n"] else f"{row['p50_ms']:.0f} / {row['p95_ms']:.0f}"
+        lines.append(f"| {run.students} | {run.mode} | {run.tokens:.0f} | {ms('hit')} | {ms('miss')} | "
+                     f"{ms('free')} | {figures['real_time_requests']} of {figures['requests']} | "
+                     f"{figures['real_time_students']} of {run.students} | {run.hits_counted:.0f} | {run.wall_s:.0f} |")
     return "\n".join(lines)
 
 
-async def measure(students: int, free: float, seed: int, root: Path) -> str:
-    from gateway.devtools.devmodels import build_test_model, build_test_snac
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
-    snac = build_test_snac(root / "snac")
-    config = from_sources(env={}, model=str(model), snac_model=str(snac), snac_device="cpu", enforce_eager=True,
-                          max_model_len=1024, max_num_seqs=max(8, students), max_tokens=MAX_TOKENS,
-                          dtype="float32", warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0,
-                          seed=seed)
-    synthesizer = Synthesizer.load(config)
-    await synthesizer.start()
+def parse_sizes(text: str) -> list[int]:
+    """`64,128,256`: class sizes, each >= 1."""
     try:
-        runs = [await simulate(mode, synthesizer, config, students, free, seed, root) for mode in ("off", "on")]
-    finally:
-        await synthesizer.close()
-    return report(runs, students, free)
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("every size must be >= 1")
+    return sizes
 
 
-def main() -> None:
+async def main_async(args: argparse.Namespace) -> list[Run]:
+    if args.gateway_url:
+        return await measure(args.gateway_url.rstrip("/"), args.students, args.lines, args.free, args.seed)
+    with tempfile.TemporaryDirectory(prefix="orpheus-class-sim-") as tmp:
+        async with local_gateway(max(args.students), args.seed, Path(tmp)) as base:
+            return await measure(base, args.students, args.lines, args.free, args.seed)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--students", type=int, default=6)
+    parser.add_argument("--students", type=parse_sizes, default=[6], help="class sizes, e.g. 64,128,256,384")
+    parser.add_argument("--lines", type=int, default=len(LESSON), help="the lesson's length (its first lines)")
     parser.add_argument("--free", type=float, default=0.2, help="share of free (uncached) lines")
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    if args.students < 1 or not 0 <= args.free <= 1:
-        parser.error("--students must be >= 1 and --free within 0..1")
-    with tempfile.TemporaryDirectory(prefix="orpheus-class-sim-") as tmp:
-        print(asyncio.run(measure(args.students, args.free, args.seed, Path(tmp))))
+    parser.add_argument("--gateway-url", help="measure this running gateway (started with --phrase-cache marked "
+                                              "and, for a random-weight model, --max-tokens-per-char 6)")
+    parser.add_argument("--json", default="class_sim.json", help="where the runs go")
+    args = parser.parse_args(argv)
+    if not 0 <= args.free <= 1:
+        parser.error("--free must be within 0..1")
+    if not 1 <= args.lines <= len(LESSON):
+        parser.error(f"--lines must be within 1..{len(LESSON)}")
+    if len(args.students) > len(ENGLISH_VOICES):
+        parser.error(f"at most {len(ENGLISH_VOICES)} class sizes (each speaks in its own voice)")
+    runs = asyncio.run(main_async(args))
+    free = args.free
+    print(report(runs, args.lines, free))
+    Path(args.json).write_text(json.dumps({"free": free, "lines": args.lines, "buffer_s": BUFFER_S,
+                                           "gateway_url": args.gateway_url, "runs": [summary(r) for r in runs],
+                                           "samples": [[asdict(x) for x in r.results] for r in runs]}, indent=1))
+    print(f"JSON: {args.json}")
 
 
 if __name__ == "__main__":

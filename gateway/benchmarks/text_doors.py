@@ -1,37 +1,46 @@
 """First audio and first word timings through each door that sends them: the streaming WebSocket (Cartesia's
 protocol, `/tts/websocket`), WebRTC (the `control` channel and the audio track) and the speech route's SSE
-(`word_timestamps`), on the tiny random model (CPU).
+(`word_timestamps`), on the tiny random model (CPU), on a model given (`--model`, `--snac-model`) or against a
+gateway already running (`--gateway-url`, e.g. `serve --workers 8` on a GPU).
 
-    .venv/bin/python -m gateway.benchmarks.text_doors                       # 10 utterances per door
+    .venv/bin/python -m gateway.benchmarks.text_doors                       # 10 utterances per door, one at a time
     .venv/bin/python -m gateway.benchmarks.text_doors --utterances 20 --json text_doors.json
+    python -m gateway.benchmarks.text_doors --gateway-url http://127.0.0.1:8800 --concurrency 1,64 --utterances 64
 
-Builds the tiny test model and SNAC, serves the gateway on loopback and speaks one utterance at a time, the doors
-taken in turn (websocket, webrtc, http, websocket, ...) so that the machine's load touches each alike; the first
-round warms up and is not counted. Every utterance is two sentences of the same text with the same length (the
-model never stops by itself: `MAX_TOKENS` per sentence). Measured per utterance, from the client's send:
+Serves the gateway on loopback (unless `--gateway-url`) and, for each `--concurrency` N, speaks N utterances at once
+through one door, the doors taken in turn (websocket, webrtc, http, websocket, ...) so that the machine's load
+touches each alike, until each door has `--utterances` (rounded up to whole rounds of N); WebRTC uses N connected
+peers. A first round of one utterance per door warms up and is not counted. Every utterance is two sentences of
+the same text with the same length (random weights never stop by themselves: the local tiny gateway caps each at
+`MAX_TOKENS`, a model given at `--max-tokens-per-char 6` as `serve` must be started for `--gateway-url`). Measured
+per utterance, from the client's send:
 - first audio: the first audio bytes (websocket `chunk`, SSE `speech.audio.delta`) or the first audible 20 ms frame
   decoded from the WebRTC track (jitter buffer 0, so the track holds nothing back on purpose);
 - first words: the first sentence's word timings (websocket `timestamps`, SSE `speech.audio.words`, WebRTC `words`).
 A sentence's words are made once its audio is complete, so they trail its first audio by about the sentence's
-generation time; WebRTC sends them when the sentence starts playing. Prints p50, p90 and the fastest per door and
-writes the samples and summaries as JSON.
+generation time; WebRTC sends them when the sentence starts playing. Prints p50, p95 and the fastest per door and
+concurrency and writes the samples and summaries as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from gateway.benchmarks.timing import ORPHEUS_TOKENS_PER_CHAR
 from gateway.config import from_sources
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.app import create_app
@@ -43,6 +52,7 @@ TEXT = "Good morning, class. Today we read a story."
 MAX_TOKENS = 140  # 20 frames, 1.7 s of audio per sentence: every utterance makes the same amount
 DOORS = ("websocket", "webrtc", "http")
 TIMEOUT_S = 120.0
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=TIMEOUT_S)
 
 
 async def websocket_door(http: aiohttp.ClientSession, base: str, n: int) -> tuple[float, float]:
@@ -102,77 +112,156 @@ def percentile(values: list[float], q: float) -> float:
 
 def summary(seconds: list[float]) -> dict[str, float]:
     ms = [s * 1000 for s in seconds]
-    return {"p50_ms": statistics.median(ms), "p90_ms": percentile(ms, 90), "min_ms": min(ms)}
+    return {"n": len(ms), "p50_ms": statistics.median(ms), "p95_ms": percentile(ms, 95), "min_ms": min(ms)}
 
 
-async def measure(utterances: int, root: Path) -> dict[str, Any]:
-    from gateway.devtools.devmodels import build_test_model, build_test_snac
+@contextlib.asynccontextmanager
+async def local_gateway(root: Path, model: str | None, snac_model: str | None,
+                        most_at_once: int) -> AsyncIterator[str]:
+    """The gateway on loopback, in this process, around the tiny test model or the model given: its base url."""
+    if model is None:
+        from gateway.devtools.devmodels import build_test_model, build_test_snac
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
-    snac = build_test_snac(root / "snac")
-    config = from_sources(env={}, model=str(model), snac_model=str(snac), snac_device="cpu", enforce_eager=True,
-                          max_model_len=1024, max_num_seqs=8, max_tokens=MAX_TOKENS, dtype="float32",
-                          warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        config = from_sources(env={}, model=str(build_test_model(root / "model", shape="tiny", stop_probability=0.0)),
+                              snac_model=str(build_test_snac(root / "snac")), snac_device="cpu", enforce_eager=True,
+                              max_model_len=1024, max_num_seqs=max(8, most_at_once), max_tokens=MAX_TOKENS,
+                              dtype="float32", warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0)
+    else:
+        config = from_sources(env={}, model=model, snac_model=snac_model, max_num_seqs=max(64, most_at_once),
+                              max_tokens_per_char=ORPHEUS_TOKENS_PER_CHAR, host="127.0.0.1", port=0)
     synthesizer = Synthesizer.load(config)
     await synthesizer.start()
     runner = web.AppRunner(create_app(config, synthesizer))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    samples: dict[str, dict[str, list[float]]] = {door: {"first_audio": [], "first_words": []} for door in DOORS}
-    loads = []
     try:
-        peer = HeadlessPeer(base, jitter_buffer_ms=0)
-        await peer.connect()
-        async with aiohttp.ClientSession() as http:
-            for round_ in range(utterances + 1):
-                for door in DOORS:
-                    n = round_ * len(DOORS) + DOORS.index(door)
-                    if door == "websocket":
-                        audio, words = await websocket_door(http, base, n)
-                    elif door == "http":
-                        audio, words = await http_door(http, base, n)
-                    else:
-                        audio, words = await webrtc_door(peer, n)
-                    if round_:  # round 0 warms each path up
-                        samples[door]["first_audio"].append(audio)
-                        samples[door]["first_words"].append(words)
-                loads.append(os.getloadavg()[0])
-        await peer.close()
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
         await synthesizer.close()
-    return {"text": TEXT, "utterances": utterances, "max_tokens_per_sentence": MAX_TOKENS, "cpus": os.cpu_count(),
+
+
+class Doors:
+    """One client of every door: an HTTP session (websocket and SSE) and the connected WebRTC peers."""
+
+    def __init__(self, base: str, http: aiohttp.ClientSession) -> None:
+        self.base, self.http = base, http
+        self.peers: list[HeadlessPeer] = []
+        self.count = 0
+
+    async def connect_peers(self, n: int) -> None:
+        while len(self.peers) < n:
+            new = [HeadlessPeer(self.base, jitter_buffer_ms=0) for _ in range(n - len(self.peers))]
+            self.peers.extend(new)  # closed by close() even if a connect fails
+            await asyncio.gather(*(peer.connect() for peer in new))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(peer.close() for peer in self.peers), return_exceptions=True)
+
+    async def round(self, door: str, at_once: int) -> list[tuple[float, float]]:
+        """`at_once` utterances through `door` at the same time: their (first audio, first words) seconds."""
+        if door == "webrtc":
+            await self.connect_peers(at_once)
+        firsts = []
+        for k in range(at_once):
+            self.count += 1
+            if door == "websocket":
+                firsts.append(websocket_door(self.http, self.base, self.count))
+            elif door == "http":
+                firsts.append(http_door(self.http, self.base, self.count))
+            else:
+                firsts.append(webrtc_door(self.peers[k], self.count))
+        return list(await asyncio.gather(*firsts))
+
+
+async def measure(base: str, concurrencies: list[int], utterances: int) -> dict[str, Any]:
+    """Per concurrency and door, first audio and first words over `utterances` (whole rounds)."""
+    samples: dict[int, dict[str, dict[str, list[float]]]] = {
+        at_once: {door: {"first_audio": [], "first_words": []} for door in DOORS} for at_once in concurrencies}
+    loads = []
+    connector = aiohttp.TCPConnector(limit=0)  # every utterance its own connection
+    async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT) as http:
+        doors = Doors(base, http)
+        try:
+            for door in DOORS:  # warm each path up, not counted
+                await doors.round(door, 1)
+            for at_once in concurrencies:
+                for _ in range(math.ceil(utterances / at_once)):
+                    for door in DOORS:
+                        for audio, words in await doors.round(door, at_once):
+                            samples[at_once][door]["first_audio"].append(audio)
+                            samples[at_once][door]["first_words"].append(words)
+                        loads.append(os.getloadavg()[0])
+        finally:
+            await doors.close()
+    return {"text": TEXT, "utterances": utterances, "concurrency": concurrencies, "cpus": os.cpu_count(),
             "load_average": [min(loads), max(loads)],
-            "doors": {door: {kind: summary(values) for kind, values in kinds.items()}
-                      for door, kinds in samples.items()},
-            "samples_s": samples}
+            "results": {str(at_once): {door: {kind: summary(values) for kind, values in kinds.items()}
+                                       for door, kinds in by_door.items()}
+                        for at_once, by_door in samples.items()},
+            "samples_s": {str(at_once): by_door for at_once, by_door in samples.items()}}
 
 
 def print_table(result: dict[str, Any]) -> None:
     low, high = result["load_average"]
-    print(f"{result['utterances']} utterances per door, one at a time; text {result['text']!r}; load average "
-          f"{low:.1f}-{high:.1f} on {result['cpus']} CPUs")
-    print(f"{'door':10} {'first audio p50':>16} {'p90':>6} {'min':>6} {'first words p50':>16} {'p90':>6} {'min':>6}")
-    for door, kinds in result["doors"].items():
-        audio, words = kinds["first_audio"], kinds["first_words"]
-        print(f"{door:10} {audio['p50_ms']:16.0f} {audio['p90_ms']:6.0f} {audio['min_ms']:6.0f} "
-              f"{words['p50_ms']:16.0f} {words['p90_ms']:6.0f} {words['min_ms']:6.0f}")
+    print(f"{result['utterances']} utterances per door and concurrency; text {result['text']!r}; client load "
+          f"average {low:.1f}-{high:.1f} on {result['cpus']} CPUs")
+    print(f"{'door':10} {'at once':>7} {'first audio p50':>16} {'p95':>6} {'min':>6} {'first words p50':>16} "
+          f"{'p95':>6} {'min':>6}")
+    for at_once, by_door in result["results"].items():
+        for door, kinds in by_door.items():
+            audio, words = kinds["first_audio"], kinds["first_words"]
+            print(f"{door:10} {at_once:>7} {audio['p50_ms']:16.0f} {audio['p95_ms']:6.0f} {audio['min_ms']:6.0f} "
+                  f"{words['p50_ms']:16.0f} {words['p95_ms']:6.0f} {words['min_ms']:6.0f}")
     print("(ms from the client's send)")
 
 
-def main() -> None:
+def parse_concurrency(text: str) -> list[int]:
+    """`1,64`: utterances at once, each >= 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("every concurrency must be >= 1")
+    return values
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.gateway_url:
+        result = await measure(args.gateway_url.rstrip("/"), args.concurrency, args.utterances)
+    else:
+        with tempfile.TemporaryDirectory(prefix="orpheus-text-doors-") as tmp:
+            async with local_gateway(Path(tmp), args.model, args.snac_model, max(args.concurrency)) as base:
+                result = await measure(base, args.concurrency, args.utterances)
+    result["gateway_url"] = args.gateway_url
+    result["model"] = args.model or ("tiny" if not args.gateway_url else None)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--utterances", type=int, default=10, help="counted utterances per door")
+    parser.add_argument("--utterances", type=int, default=10, help="counted utterances per door and concurrency")
+    parser.add_argument("--concurrency", type=parse_concurrency, default=[1],
+                        help="utterances at once per door, e.g. 1,64")
+    parser.add_argument("--gateway-url", help="measure this running gateway (for a random-weight model, started "
+                                              "with --max-tokens-per-char 6)")
+    parser.add_argument("--model", help="serve this model here instead of the tiny one (e.g. a random-weight "
+                                        "Orpheus-3B from `orpheus-gateway make-test-model --snac`)")
+    parser.add_argument("--snac-model", help="the SNAC decoder of --model")
     parser.add_argument("--json", default="text_doors.json", help="where the samples and summaries go")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.utterances < 1:
         parser.error("--utterances must be >= 1")
-    use_one_ffmpeg_thread()  # the gateway is served in this process
-    with tempfile.TemporaryDirectory(prefix="orpheus-text-doors-") as tmp:
-        result = asyncio.run(measure(args.utterances, Path(tmp)))
+    if args.gateway_url and args.model:
+        parser.error("--gateway-url measures a gateway already running: leave --model out")
+    if args.snac_model and not args.model:
+        parser.error("--snac-model goes with --model")
+    if not args.gateway_url:
+        use_one_ffmpeg_thread()  # the gateway is served in this process
+    result = asyncio.run(run(args))
     print_table(result)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"JSON: {args.json}")
