@@ -5,7 +5,9 @@ its repeat asks no engine, and bad language/voice/markup gets an `error` event o
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -383,3 +385,72 @@ async def test_the_page_speaks_pt_lines_with_the_pt_model_and_en_lines_with_the_
             assert added(before, gateway) == {"en": 0, "pt": 0, engine: 2}, index  # each line has two sentences
             await page.evaluate("document.getElementById('now').dataset.kind = ''")
         assert not errors, errors
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.engine
+async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
+        tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path: Path) -> None:
+    """`serve --workers 2 --models-file` for real: one `vllm serve` per model started and supervised, the workers
+    stream each voice from its own model's server, and /metrics counts each model's requests."""
+    import asyncio
+    import os
+    import signal
+    import sys
+    import time
+
+    import psutil
+
+    from gateway.cluster.addressing import WORKER_SOCKETS_ENV
+    from gateway.devtools.devmodels import build_test_model
+    from tests.support import cli_env, free_port
+
+    pt_dir = build_test_model(tmp_path / "pt", shape="tiny", seed=1, stop_probability=TEST_STOP_PROBABILITY)
+    models = write_models(tmp_path, MODELS_TOML.format(en=tiny_model_dir, pt=pt_dir))
+    (tmp_path / "sockets").mkdir()
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "gateway", "serve", "--workers", "2", "--models-file", models, "--host", "127.0.0.1",
+           "--port", str(port), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--snac-placement",
+           "shared", "--warmup-batch-sizes", "2", "--log-level", "warning"]
+    proc = _start(cmd, {**cli_env(), WORKER_SOCKETS_ENV: str(tmp_path / "sockets")}, log)
+    try:
+        servers = []
+        deadline = time.monotonic() + 600
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+            while True:
+                assert proc.poll() is None, log.read_text()[-4000:]
+                assert time.monotonic() < deadline, log.read_text()[-4000:]
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with client.get("/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(1)
+            servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "serve" in p.cmdline() and "gateway.cluster.vllm_cli" in p.cmdline()]
+            assert sorted(p.cmdline()[p.cmdline().index("serve") + 1] for p in servers) == \
+                sorted([str(tiny_model_dir), str(pt_dir)])
+            for voice in ["ana", "tara", "rui"]:
+                resp = await client.post("/v1/audio/speech", json={"input": "Olá.", "voice": voice,
+                                                                   "response_format": "pcm"})
+                assert resp.status == 200, await resp.text()
+                assert len(await resp.read()) > 0
+            text = await (await client.get("/metrics")).text()
+        requests = {"en": 0.0, "pt": 0.0}  # each worker's samples, labelled by worker: summed by model
+        for family in text_string_to_metric_families(text):
+            if family.name == "orpheus_model_requests":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        requests[sample.labels["model"]] += sample.value
+        assert requests == {"en": 1.0, "pt": 2.0}, requests
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
