@@ -31,37 +31,9 @@ if [ -d $DC/pool ]; then  # carry .devcarry/pool (wheels): what `vllm serve` imp
 fi
 GRAPHS=""; [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
 source tools/device/mps.sh; mps_start
-SERVE_PIN=""; [ -n "$SERVE_CPUS" ] && SERVE_PIN="taskset -c $SERVE_CPUS"
 PIN1=""; [ -n "$CLIENT_CPUS" ] && PIN1="taskset -c $CLIENT_CPUS"
 PIN2=""; [ -n "$CLIENT_CPUS2" ] && PIN2="taskset -c $CLIENT_CPUS2"
-setsid $SERVE_PIN python3 -m gateway serve --workers $WORKERS --host 127.0.0.1 --port $PORT --model /tmp/orpheus-struct \
-  --snac-model /tmp/orpheus-struct/snac --log-level warning --max-tokens-per-char ${TOKENS_PER_CHAR:-6} $GRAPHS \
-  $SERVE_ARGS > $OUT/$NAME/serve.log 2>&1 &
-SERVE_PID=$!
-python3 - $WORKERS ${READY_TIMEOUT:-300} $OUT/$NAME/serve.log <<'EOF'
-import asyncio, sys, time
-import aiohttp
-from gateway.cluster.addressing import socket_path
-
-async def main(workers: int, timeout: float, log: str) -> None:
-    deadline = time.monotonic() + timeout
-    for index in range(workers):
-        while True:
-            if time.monotonic() > deadline:
-                sys.exit(f"worker {index} not ready after {timeout} s")
-            if "exited with" in open(log, errors="replace").read():
-                sys.exit("a child exited during start-up (see serve.log)")
-            try:
-                connector = aiohttp.UnixConnector(path=str(socket_path("/tmp/gw-sockets", index)))
-                async with aiohttp.ClientSession(connector=connector) as http, http.get("http://w/readyz") as r:
-                    if r.status == 200:
-                        break
-            except (aiohttp.ClientError, OSError):
-                pass
-            await asyncio.sleep(1)
-
-asyncio.run(main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]))
-EOF
+source $REPO/tools/device/workers.sh; workers_start  # from the carried tree: an older SNAP may lack it
 RC=$?
 echo "workers ready rc=$RC after $(( $(date +%s) - T0 ))s"
 if [ $RC -eq 0 ] && [ -n "$FAULT_ARGS" ]; then
@@ -83,10 +55,7 @@ elif [ $RC -eq 0 ]; then
     grep -vE "^\(EngineCore|Capturing CUDA|Warning|warn|^INFO|^\s*$" $OUT/$NAME/second/bench.log | tail -c 5000
   fi
 fi
-# The supervisor stops its children (each in its own process group) before it exits: give it the time.
-kill -TERM -- -$SERVE_PID 2>/dev/null
-for _ in $(seq 30); do kill -0 $SERVE_PID 2>/dev/null || break; sleep 1; done
-kill -KILL -- -$SERVE_PID 2>/dev/null
+workers_stop
 mps_stop
 grep -vE "Capturing CUDA|^\s*$" $OUT/$NAME/serve.log | tail -c 3000
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
