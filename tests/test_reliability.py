@@ -13,11 +13,12 @@ import contextvars
 import dataclasses
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from gateway.edge.app import create_app
 from gateway.edge.auth import AccessPolicy, make_session_token, verify_session_token
 from gateway.edge.errors import AuthError
 from gateway.edge.http import OFFER_PATH
+from gateway.edge.signalling import NETWORK_RETRY_AFTER_S
 from gateway.edge.state import GatewayState
 from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
 from gateway.rtc.errors import ProtocolError
@@ -449,6 +451,47 @@ async def test_offer_over_max_sessions_gets_503_with_retry_after(
         second = HeadlessPeer(base, jitter_buffer_ms=0)
         await second.connect()  # the slot came back
         await second.close()
+
+
+@contextlib.contextmanager
+def no_free_file_descriptors() -> Iterator[None]:
+    """Inside: this process can open no file or socket (EMFILE), as a gateway that ran out of descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    held: list[int] = []
+    try:
+        while True:  # the free numbers below the limit
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@needs_engine
+async def test_an_offer_without_sockets_to_answer_it_gets_503_network_unavailable(
+        test_config: GatewayConfig, synthesizer: Synthesizer) -> None:
+    """The gateway cannot open the peer connection's sockets: the offer is answered 503 `network_unavailable`
+    with Retry-After, its session slot comes back, and once sockets open again the next offer connects."""
+    async with running(test_config, synthesizer) as (base, gateway):
+        body = {"sdp": await offer_sdp(), "type": "offer"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/healthz") as resp:  # the offer then goes on this pooled connection
+                assert resp.status == 200
+            with no_free_file_descriptors():
+                resp = await http.post(f"{base}{OFFER_PATH}", json=body)
+            async with resp:
+                await error_of(resp, 503, "network_unavailable")
+                assert int(resp.headers["Retry-After"]) == NETWORK_RETRY_AFTER_S
+        assert gateway.admission.sessions == 0 and not gateway.sessions.sessions
+        peer = HeadlessPeer(base, jitter_buffer_ms=0)
+        await peer.connect()
+        await peer.close()
 
 
 @needs_engine

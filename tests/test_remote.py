@@ -28,7 +28,12 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.edge.app import create_app
 from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt
 from gateway.speech.engine import EngineState
-from gateway.speech.errors import EngineDeadError, EngineRequestError, EngineUnavailableError
+from gateway.speech.errors import (
+    ENGINE_RETRY_AFTER_S,
+    EngineDeadError,
+    EngineRequestError,
+    EngineUnavailableError,
+)
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from tests.support import SERVER_START_TIMEOUT_S, VllmServer, free_port, tiny_config, wait_until
@@ -37,18 +42,25 @@ LONG_TEXT = "This utterance will lose its server."
 LONG_SEED = 23
 KILL_ATTEMPTS = 2  # the engine-core kill test tries again if the utterance was generated before the kill landed
 LONG_TOKENS = 225  # what LONG_TEXT with LONG_SEED generates when left alone (~5 s on CPU): the same ids every run
+READ_TIMEOUT_S = 2.0  # --vllm-read-timeout-s in the stalled-stream test
+READ_TIMEOUT_SLACK_S = 4.0  # the close and the loop's wake-up after the timeout, on a loaded 2-core machine
 
 
 
 class TcpForwarder:
     """A second address for the real server: stop it and that "server" refuses connections, start it again on
     the same port and it is back. `close_reused` is how many times a request on a connection that has already
-    carried one is dropped unanswered with its connection: the server's keep-alive ending as the request comes."""
+    carried one is dropped unanswered with its connection: the server's keep-alive ending as the request comes.
+    `cut_after_headers` is how many answers lose their connection right after the response headers (the server
+    gone between its 200 and its first event); while `stalled`, nothing the server sends gets through and no
+    connection closes (a host that vanished without closing its sockets)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = 0
         self.close_reused = 0
+        self.cut_after_headers = 0
+        self.stalled = False
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -78,6 +90,15 @@ class TcpForwarder:
                 while data := await src.read(65536):
                     if upstream and answered and self.close_reused > 0:
                         self.close_reused -= 1
+                        writer.transport.abort()
+                        up_writer.transport.abort()
+                        return
+                    if not upstream and self.stalled:
+                        continue  # read and dropped: the gateway hears nothing, and no connection closes
+                    if not upstream and self.cut_after_headers > 0 and (end := data.find(b"\r\n\r\n")) >= 0:
+                        self.cut_after_headers -= 1
+                        dst.write(data[:end + 4])
+                        await dst.drain()
                         writer.transport.abort()
                         up_writer.transport.abort()
                         return
@@ -410,6 +431,61 @@ async def test_failed_health_checks_take_the_only_server_out_and_back(
         await engine.wait_ready(timeout=10)
         assert engine.restarts == 1
         await speak(synth, "Back again.", seed=2, max_tokens=28)
+        await forwarder.stop()
+
+
+@pytest.mark.engine
+async def test_a_server_silent_mid_stream_ends_the_utterance_after_the_read_timeout(
+        remote_synth: Synthesizer, remote_config: Callable[..., GatewayConfig], vllm_server: VllmServer) -> None:
+    """--vllm-read-timeout-s: a server that stops sending mid-stream without closing its connection (a host gone
+    silent) ends the utterance `engine_dead` once it has been silent that long (not at the 60 s default, nor never),
+    and is taken out of routing."""
+    forwarder = TcpForwarder(vllm_server.port)
+    await forwarder.start()
+    config = remote_config(forwarder.url, engine_health_interval_s=3600.0, vllm_read_timeout_s=READ_TIMEOUT_S)
+    try:
+        async with other_engine(remote_synth, config) as synth:
+            consumer, stats = await long_utterance_under_way(synth)
+            forwarder.stalled = True
+            stalled_at = time.monotonic()
+            with pytest.raises(EngineDeadError) as info:
+                await asyncio.wait_for(consumer, READ_TIMEOUT_S + READ_TIMEOUT_SLACK_S)
+            silent_s = time.monotonic() - stalled_at
+            assert stats.tokens < LONG_TOKENS, "stalled mid-stream"
+            assert info.value.code == "engine_dead", info.value
+            # The silence began at the last chunk before the stall (chunks come every few ms): not much sooner.
+            assert silent_s >= READ_TIMEOUT_S / 2, f"ended {silent_s:.2f} s into a {READ_TIMEOUT_S} s timeout"
+            (server,) = synth.engine.servers
+            assert (server.healthy, server.taken_out) == (False, 1)
+            assert synth.engine.unfinished_requests() == 0
+    finally:
+        await forwarder.stop()
+    await eventually(metric_is(vllm_server, RUNNING, 0))
+
+
+@pytest.mark.engine
+async def test_speech_route_whose_server_dies_before_audio_is_a_503_engine_dead(
+        remote_synth: Synthesizer, remote_config: Callable[..., GatewayConfig], vllm_server: VllmServer) -> None:
+    """The speech route's promise: a server that dies after accepting the request (its 200 sent) but before the
+    first audio is answered 503 `engine_dead` in OpenAI's error shape, with Retry-After: not a 500, nor a 200."""
+    forwarder = TcpForwarder(vllm_server.port)
+    await forwarder.start()
+    config = remote_config(forwarder.url, engine_health_interval_s=3600.0)
+    try:
+        async with other_engine(remote_synth, config) as synth:
+            app = create_app(config, synth, webrtc=False)
+            async with TestClient(TestServer(app)) as client:
+                forwarder.cut_after_headers = 1
+                resp = await client.post("/v1/audio/speech", json={"input": "Nobody hears this.", "voice": "tara"})
+                assert forwarder.cut_after_headers == 0, "the server's answer was cut"
+                assert resp.status == 503, await resp.text()
+                assert resp.headers["Retry-After"] == str(ENGINE_RETRY_AFTER_S)
+                error = (await resp.json())["error"]
+                assert (error["code"], error["type"]) == ("engine_dead", "server_error"), error
+                assert synth.engine.in_flight == 0
+                metrics = await (await client.get("/metrics")).text()
+                assert 'orpheus_speech_requests_total{status="503"} 1.0' in metrics
+    finally:
         await forwarder.stop()
 
 
