@@ -183,7 +183,9 @@ def test_opus_cpu_bench_writes_both_paths(tmp_path: Path) -> None:
 
 
 def test_client_cpu_bench_receives_every_frame_with_both_receivers(tmp_path: Path) -> None:
-    """benchmarks.client_cpu: both receivers get the paced stream (50 frames a second a peer) and their CPU counted."""
+    """benchmarks.client_cpu: both receivers get the paced stream (every frame the sender sent in the window, by the
+    RTP clock, however slowly this machine sent them; at most 50 frames a second a peer and a catch-up) and their
+    CPU counted."""
     from gateway.benchmarks.client_cpu import RECEIVERS, main
 
     out = tmp_path / "client.json"
@@ -191,7 +193,8 @@ def test_client_cpu_bench_receives_every_frame_with_both_receivers(tmp_path: Pat
     rows = json.loads(out.read_text())["rows"]
     assert [r["receiver"] for r in rows] == list(RECEIVERS)
     for row in rows:
-        assert row["frames_per_s"] == pytest.approx(2 * 50, rel=0.2)
+        assert row["frames"] > 0 and row["frames_lost"] == 0, row
+        assert row["frames_per_s"] <= 2 * 50 * 1.5, row  # each frame counted once (a late sender only slows it)
         assert row["cpu_us_per_frame"] > 0
 
 

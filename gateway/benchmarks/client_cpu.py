@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 import psutil
 
+from gateway.media.playout import FRAME_SAMPLES
 from gateway.orpheus import SAMPLE_RATE
+from gateway.rtc.rtpclock import RTP_MODULO
 
 RECEIVERS = ("headless peer", "aiortc track")
 SPEECH_LEVEL = 3000
@@ -81,16 +83,16 @@ def _receiver(conn: Connection, receiver: str, peers: int, seconds: float) -> No
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        received: list[list[tuple[float, float]]] = []  # (arrival, rms) per aiortc-track peer
+        received: list[list[tuple[float, float, int]]] = []  # (arrival, rms, pts) per aiortc-track peer
         pcs: list[RTCPeerConnection] = []
         headless: list[HeadlessPeer] = []
         tasks: list[asyncio.Task[None]] = []
 
-        async def consume(track: Any, frames: list[tuple[float, float]]) -> None:
+        async def consume(track: Any, frames: list[tuple[float, float, int]]) -> None:
             while True:  # the headless peer's bookkeeping, on aiortc's decoded frames
                 frame = await track.recv()
                 mono = frame.to_ndarray().reshape(-1, len(frame.layout.channels))[:, 0]
-                frames.append((time.monotonic(), frame_rms(mono)))
+                frames.append((time.monotonic(), frame_rms(mono), frame.pts))
 
         for _ in range(peers):
             if receiver == "headless peer":
@@ -100,7 +102,7 @@ def _receiver(conn: Connection, receiver: str, peers: int, seconds: float) -> No
             else:
                 pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
                 set_receive_prefetch(pc.addTransceiver("audio", direction="recvonly").receiver)
-                mine: list[tuple[float, float]] = []
+                mine: list[tuple[float, float, int]] = []
                 received.append(mine)
                 pc.on("track", lambda track, mine=mine: tasks.append(asyncio.create_task(consume(track, mine))))
             pcs.append(pc)
@@ -115,15 +117,23 @@ def _receiver(conn: Connection, receiver: str, peers: int, seconds: float) -> No
             await asyncio.sleep(0.1)
         conn.send("connected")
 
-        def frames() -> int:
-            return sum(len(p.frames) for p in headless) + sum(len(r) for r in received)
+        def lengths() -> list[int]:
+            return [len(p.frames) for p in headless] + [len(r) for r in received]
+
+        def stamps(peer: int, start: int, end: int) -> list[int]:
+            """The RTP timestamps (aiortc track: pts, the same clock) of one peer's frames in a window."""
+            if peer < len(headless):
+                return [f.rtp_timestamp for f in headless[peer].frames[start:end] if f.rtp_timestamp is not None]
+            return [pts for _, _, pts in received[peer - len(headless)][start:end]]
 
         await asyncio.sleep(SETTLE_S)
         proc = psutil.Process()
-        cpu0, wall0, frames0 = sum(proc.cpu_times()[:2]), time.monotonic(), frames()
+        cpu0, wall0, counts0 = sum(proc.cpu_times()[:2]), time.monotonic(), lengths()
         await asyncio.sleep(seconds)
-        cpu1, wall1, frames1 = sum(proc.cpu_times()[:2]), time.monotonic(), frames()
-        conn.send({"cpu_s": cpu1 - cpu0, "wall_s": wall1 - wall0, "frames": frames1 - frames0})
+        cpu1, wall1, counts1 = sum(proc.cpu_times()[:2]), time.monotonic(), lengths()
+        conn.send({"cpu_s": cpu1 - cpu0, "wall_s": wall1 - wall0, "frames": sum(counts1) - sum(counts0),
+                   "frames_sent": sum(_slots(stamps(i, a, b)) for i, (a, b) in enumerate(zip(counts0, counts1,
+                                                                                             strict=True)))})
         for task in tasks:
             task.cancel()
         for peer in headless:
@@ -132,6 +142,11 @@ def _receiver(conn: Connection, receiver: str, peers: int, seconds: float) -> No
             await pc.close()
 
     asyncio.run(main())
+
+
+def _slots(stamps: list[int]) -> int:
+    """The 20 ms frames the sender sent from the first to the last of these RTP timestamps, both included."""
+    return (stamps[-1] - stamps[0]) % RTP_MODULO // FRAME_SAMPLES + 1 if stamps else 0
 
 
 def run_one(receiver: str, peers: int, seconds: float) -> dict[str, Any]:
@@ -165,6 +180,7 @@ def run_one(receiver: str, peers: int, seconds: float) -> dict[str, Any]:
                 proc.kill()
     frames = result["frames"]
     return {"receiver": receiver, "peers": peers, "wall_s": round(result["wall_s"], 2), "frames": frames,
+            "frames_lost": result["frames_sent"] - frames,
             "frames_per_s": round(frames / result["wall_s"], 1),
             "cores": round(result["cpu_s"] / result["wall_s"], 3),
             "cpu_us_per_frame": round(result["cpu_s"] / frames * 1e6, 1) if frames else None}
