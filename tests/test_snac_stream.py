@@ -56,6 +56,8 @@ FP16_MIN_SNR_DB = 50.0  # measured 58 dB on CPU (56 dB on an H200)
 
 LENGTHS = list(range(1, 41)) if os.environ.get("SNAC_STREAM_ALL_LENGTHS") else [*range(1, 13), 17, 25, 40]
 PATTERNS = ([1], [1, 3, 2], [2], [3, 1], [1, 1, 5], [4])  # frames pushed per tick, cycled
+FAST_GAP_LIMIT_S = 0.04  # under 2x real time's 42.7 ms frame interval: a pace at which a bridge needs no wait
+FAST_GAP_TRIES = 5
 PUSH_STAMP_SLACK_S = 0.01  # the decoder stamps a push just before the test does (a GIL switch between)
 
 
@@ -924,8 +926,10 @@ async def test_a_streams_pace_is_the_slower_of_its_own_and_every_streams(snac_mo
                     decoder.push(other, frames[k:k + 1])
             stream = decoder.open(lambda: 0.0, lookahead=1)
             decoder.push(stream, frames[:1])
+            pushed = time.perf_counter()
             await asyncio.sleep(gap_s)
             decoder.push(stream, frames[1:2])
+            shown.append(time.perf_counter() - pushed)
             await wait_until(lambda: stream.exact_start is not None, timeout=30)  # decided with its head
             for s in [*others, stream]:
                 decoder.release(s)
@@ -933,7 +937,14 @@ async def test_a_streams_pace_is_the_slower_of_its_own_and_every_streams(snac_mo
         finally:
             decoder.close()
 
-    assert not await decided_exact(0, gap_s=0.03)
+    shown: list[float] = []  # the gaps this machine made of each try's gap_s
+    for _ in range(FAST_GAP_TRIES):  # a loaded machine can stretch 30 ms past 2x: that try showed a slower pace
+        fast_decided_exact = await decided_exact(0, gap_s=0.03)
+        if shown[-1] < FAST_GAP_LIMIT_S:
+            break
+    else:
+        pytest.fail(f"no try of a 30 ms gap came within {FAST_GAP_LIMIT_S * 1000:.0f} ms: {shown}")
+    assert not fast_decided_exact, shown[-1]
     assert await decided_exact(3, gap_s=0.03)
     assert await decided_exact(0, gap_s=0.06)
 
