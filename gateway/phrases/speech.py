@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gateway.phrases.cache import PhraseCache
 from gateway.phrases.entry import PhraseEntry
-from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats
+from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, aiter_of
 
 
 @dataclass
@@ -24,22 +24,13 @@ class CachedChunk(AudioChunk):
     entry: PhraseEntry | None = None
 
 
-async def _sentences(items: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
-    if isinstance(items, AsyncIterable):
-        async for item in items:
-            yield item
-    else:
-        for item in items:
-            yield item
-
-
 async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer, sentences: Iterable[str] |
                            AsyncIterable[str], voice: str, *, stats: UtteranceStats,
                            seed: int | None = None) -> AsyncIterator[AudioChunk]:
     """Audio chunks of `sentences` (already split), hits from the cache and misses from single flights; `stats`
     gets first audio, first token and the tokens of the flights this request led or followed."""
     index = 0
-    async for raw in _sentences(sentences):
+    async for raw in aiter_of(sentences):
         sentence = raw.strip()
         if not sentence:
             continue

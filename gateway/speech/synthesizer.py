@@ -347,7 +347,7 @@ class Synthesizer:
         tasks: list[asyncio.Task[None]] = []
         try:
             index = 0
-            async for item in _aiter(sentences):
+            async for item in aiter_of(sentences):
                 sentence, sentence_voice = (item.text, item.voice) if isinstance(item, VoicedSentence) \
                     else (item, voice)
                 sentence = sentence.strip()
@@ -569,7 +569,8 @@ def decoder_settings(config: GatewayConfig) -> DecoderSettings:
                            max_streams=_stream_slots(config), compile=config.snac_compile)
 
 
-async def _aiter(items: Iterable[_T] | AsyncIterable[_T]) -> AsyncIterator[_T]:
+async def aiter_of(items: Iterable[_T] | AsyncIterable[_T]) -> AsyncIterator[_T]:
+    """The items of a plain or an async iterable, asynchronously (a text given whole or streamed in pieces)."""
     if isinstance(items, AsyncIterable):
         async for item in items:
             yield item
