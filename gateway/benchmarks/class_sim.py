@@ -31,7 +31,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,13 +143,17 @@ async def simulate(base: str, mode: str, students: int, voice: str, lesson: list
     return run
 
 
-async def measure(base: str, sizes: list[int], lines: int, free: float, seed: int) -> list[Run]:
-    """Each class size, cache off then on, in its own voice, on the lesson's first `lines` lines."""
+async def measure(base: str, sizes: list[int], lines: int, free: float, seed: int,
+                  save: Callable[[list[Run]], None] | None = None) -> list[Run]:
+    """Each class size, cache off then on, in its own voice, on the lesson's first `lines` lines; `save` gets the
+    runs so far after each (a run cut short by a time limit keeps those)."""
     runs = []
     for size, voice in zip(sizes, ENGLISH_VOICES, strict=False):
         for mode in MODES:
             runs.append(await simulate(base, mode, size, voice, LESSON[:lines], free, seed))
             print(report([runs[-1]], lines, free).splitlines()[-1], flush=True)
+            if save is not None:
+                save(runs)
     return runs
 
 
@@ -231,12 +235,21 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def save_json(args: argparse.Namespace, runs: list[Run]) -> None:
+    Path(args.json).write_text(json.dumps({"free": args.free, "lines": args.lines, "buffer_s": BUFFER_S,
+                                           "gateway_url": args.gateway_url, "runs": [summary(r) for r in runs],
+                                           "samples": [[asdict(x) for x in r.results] for r in runs]}, indent=1))
+
+
 async def main_async(args: argparse.Namespace) -> list[Run]:
+    def save(runs: list[Run]) -> None:
+        save_json(args, runs)
+
     if args.gateway_url:
-        return await measure(args.gateway_url.rstrip("/"), args.students, args.lines, args.free, args.seed)
+        return await measure(args.gateway_url.rstrip("/"), args.students, args.lines, args.free, args.seed, save)
     with tempfile.TemporaryDirectory(prefix="orpheus-class-sim-") as tmp:
         async with local_gateway(max(args.students), args.seed, Path(tmp)) as base:
-            return await measure(base, args.students, args.lines, args.free, args.seed)
+            return await measure(base, args.students, args.lines, args.free, args.seed, save)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,11 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.students) > len(ENGLISH_VOICES):
         parser.error(f"at most {len(ENGLISH_VOICES)} class sizes (each speaks in its own voice)")
     runs = asyncio.run(main_async(args))
-    free = args.free
-    print(report(runs, args.lines, free))
-    Path(args.json).write_text(json.dumps({"free": free, "lines": args.lines, "buffer_s": BUFFER_S,
-                                           "gateway_url": args.gateway_url, "runs": [summary(r) for r in runs],
-                                           "samples": [[asdict(x) for x in r.results] for r in runs]}, indent=1))
+    print(report(runs, args.lines, args.free))
     print(f"JSON: {args.json}")
 
 

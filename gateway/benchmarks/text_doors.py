@@ -194,6 +194,10 @@ async def measure(base: str, concurrencies: list[int], utterances: int) -> dict[
                             samples[at_once][door]["first_audio"].append(audio)
                             samples[at_once][door]["first_words"].append(words)
                         loads.append(os.getloadavg()[0])
+                for door in DOORS:  # each concurrency's figures as soon as they are in
+                    kinds = samples[at_once][door]
+                    print(f"{door} x{at_once}: first audio p50 {statistics.median(kinds['first_audio']) * 1000:.0f} "
+                          f"ms, first words p50 {statistics.median(kinds['first_words']) * 1000:.0f} ms", flush=True)
         finally:
             await doors.close()
     return {"text": TEXT, "utterances": utterances, "concurrency": concurrencies, "cpus": os.cpu_count(),
