@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from gateway.orpheus import ENGLISH_VOICES, SAMPLE_RATE
 
@@ -50,7 +49,6 @@ LESSON = [
 ]
 MODES = ("off", "on")
 BUFFER_S = 0.5  # the lessons' listener buffer
-MAX_TOKENS = 140  # the local tiny gateway: 20 frames, 1.7 s of audio at most per sentence
 BYTES_PER_SAMPLE = 2
 TOKENS_METRIC = "orpheus_audio_tokens_total"
 HITS_METRIC = "orpheus_phrase_cache_hits_total"
@@ -160,28 +158,18 @@ async def measure(base: str, sizes: list[int], lines: int, free: float, seed: in
 @contextlib.asynccontextmanager
 async def local_gateway(max_students: int, seed: int, root: Path) -> AsyncIterator[str]:
     """The tiny random model served on loopback with `--phrase-cache marked`: its base url."""
-    from gateway.config import from_sources
-    from gateway.devtools.devmodels import build_test_model, build_test_snac
-    from gateway.edge.app import create_app
+    from gateway.benchmarks.models import tiny_fixed_length_config
+    from gateway.benchmarks.webrtc_level import LocalGateway
     from gateway.speech.synthesizer import Synthesizer
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
-    snac = build_test_snac(root / "snac")
-    config = from_sources(env={}, model=str(model), snac_model=str(snac), snac_device="cpu", enforce_eager=True,
-                          max_model_len=1024, max_num_seqs=max(8, max_students), max_tokens=MAX_TOKENS,
-                          dtype="float32", warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0,
-                          seed=seed, phrase_cache="marked", phrase_cache_dir=str(root / "phrases"))
+    config = tiny_fixed_length_config(root, max(8, max_students), seed=seed, phrase_cache="marked",
+                                      phrase_cache_dir=str(root / "phrases"))
     synthesizer = Synthesizer.load(config)
     await synthesizer.start()
-    runner = web.AppRunner(create_app(config, synthesizer))
     try:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        async with LocalGateway(config, synthesizer) as gateway:
+            yield gateway.base_url
     finally:
-        await runner.cleanup()
         await synthesizer.close()
 
 

@@ -24,17 +24,15 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from aiohttp import web
 
-from gateway.config import from_sources
-from gateway.edge.app import create_app
+from gateway.benchmarks.models import tiny_fixed_length_config
+from gateway.benchmarks.webrtc_level import LocalGateway
 from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
 from gateway.speech.synthesizer import Synthesizer
 
 TEXT = "Good morning, class."
-MAX_TOKENS = 140  # 20 frames, 1.7 s of audio: every request makes the same amount (the model never stops itself)
 
 
 async def one_request(http: aiohttp.ClientSession, url: str, fmt: str) -> float:
@@ -67,26 +65,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(formats: list[str], requests: int, root: Path) -> None:
-    from gateway.devtools.devmodels import build_test_model, build_test_snac
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
-    snac = build_test_snac(root / "snac")
-    config = from_sources(env={}, model=str(model), snac_model=str(snac), snac_device="cpu", enforce_eager=True,
-                          max_model_len=1024, max_num_seqs=8, max_tokens=MAX_TOKENS, dtype="float32",
-                          warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0)
+    config = tiny_fixed_length_config(root, 8)
     synthesizer = Synthesizer.load(config)
     await synthesizer.start()
-    runner = web.AppRunner(create_app(config, synthesizer))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}/v1/audio/speech"
     results: dict[str, list[float]] = {fmt: [] for fmt in formats}
     loads = []
     try:
-        async with aiohttp.ClientSession() as http:
+        async with LocalGateway(config, synthesizer) as gateway, aiohttp.ClientSession() as http:
+            url = f"{gateway.base_url}/v1/audio/speech"
             for round_ in range(requests + 1):
                 for fmt in formats:
                     timing = await one_request(http, url, fmt)
@@ -94,7 +80,6 @@ async def measure(formats: list[str], requests: int, root: Path) -> None:
                         results[fmt].append(timing)
                 loads.append(os.getloadavg()[0])
     finally:
-        await runner.cleanup()
         await synthesizer.close()
     print(f"{requests} requests per format, one at a time; text {TEXT!r}; load average during the run "
           f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")

@@ -24,6 +24,7 @@ TINY_ENGINE: dict[str, Any] = dict(
     snac_device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=64, dtype="float32",
     warmup_batch_sizes=[2])
 TINY_KV_CACHE_GIB = "1"  # vLLM CPU reserves 4 GiB of KV cache by default; the tiny model needs far less
+TINY_MAX_TOKENS = 140  # 20 frames, 1.7 s of audio a sentence: the tiny model never stops, so every sentence is alike
 RANDOM_SHAPE = "orpheus-3b"
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "torch_dtype")
@@ -102,3 +103,17 @@ def _read_model_config(model: str) -> dict[str, Any] | None:
         return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
     except Exception:  # offline or unknown id: the report just lacks the shape
         return None
+
+
+def tiny_fixed_length_config(root: Path, max_num_seqs: int, **overrides: Any) -> GatewayConfig:
+    """The tiny random model and SNAC built under `root`, served on loopback with the fastest CPU engine settings;
+    every sentence runs `TINY_MAX_TOKENS` (the model never stops itself). The single-purpose benchmarks' model."""
+    from gateway.devtools.devmodels import build_test_model, build_test_snac
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", TINY_KV_CACHE_GIB)
+    model = build_test_model(root / "model", shape="tiny", stop_probability=0.0)
+    values: dict[str, Any] = {**TINY_ENGINE, "warmup_batch_sizes": [1], "max_num_seqs": max_num_seqs,
+                              "max_tokens": TINY_MAX_TOKENS, "gc_freeze": False, "host": "127.0.0.1", "port": 0}
+    values.update(overrides)
+    return from_sources(env={}, model=str(model), snac_model=str(build_test_snac(root / "snac")), **values)
+

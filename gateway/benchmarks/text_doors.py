@@ -12,7 +12,7 @@ through one door, the doors taken in turn (websocket, webrtc, http, websocket, .
 touches each alike, until each door has `--utterances` (rounded up to whole rounds of N); WebRTC uses N connected
 peers. A first round of one utterance per door warms up and is not counted. Every utterance is two sentences of
 the same text with the same length (random weights never stop by themselves: the local tiny gateway caps each at
-`MAX_TOKENS`, a model given at `--max-tokens-per-char 6` as `serve` must be started for `--gateway-url`). Measured
+`TINY_MAX_TOKENS`, a model given at `--max-tokens-per-char 6` as `serve` must be started for `--gateway-url`). Measured
 per utterance, from the client's send:
 - first audio: the first audio bytes (websocket `chunk`, SSE `speech.audio.delta`) or the first audible 20 ms frame
   decoded from the WebRTC track (jitter buffer 0, so the track holds nothing back on purpose);
@@ -38,18 +38,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
+from gateway.benchmarks.models import tiny_fixed_length_config
 from gateway.benchmarks.timing import ORPHEUS_TOKENS_PER_CHAR
+from gateway.benchmarks.webrtc_level import LocalGateway
 from gateway.config import from_sources
 from gateway.devtools.client import HeadlessPeer
-from gateway.edge.app import create_app
 from gateway.edge.cartesia_ws import CARTESIA_PATH
 from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.speech.synthesizer import Synthesizer
 
 TEXT = "Good morning, class. Today we read a story."
-MAX_TOKENS = 140  # 20 frames, 1.7 s of audio per sentence: every utterance makes the same amount
 DOORS = ("websocket", "webrtc", "http")
 TIMEOUT_S = 120.0
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=TIMEOUT_S)
@@ -120,26 +119,16 @@ async def local_gateway(root: Path, model: str | None, snac_model: str | None,
                         most_at_once: int) -> AsyncIterator[str]:
     """The gateway on loopback, in this process, around the tiny test model or the model given: its base url."""
     if model is None:
-        from gateway.devtools.devmodels import build_test_model, build_test_snac
-
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        config = from_sources(env={}, model=str(build_test_model(root / "model", shape="tiny", stop_probability=0.0)),
-                              snac_model=str(build_test_snac(root / "snac")), snac_device="cpu", enforce_eager=True,
-                              max_model_len=1024, max_num_seqs=max(8, most_at_once), max_tokens=MAX_TOKENS,
-                              dtype="float32", warmup_batch_sizes=[1], gc_freeze=False, host="127.0.0.1", port=0)
+        config = tiny_fixed_length_config(root, max(8, most_at_once))
     else:
         config = from_sources(env={}, model=model, snac_model=snac_model, max_num_seqs=max(64, most_at_once),
                               max_tokens_per_char=ORPHEUS_TOKENS_PER_CHAR, host="127.0.0.1", port=0)
     synthesizer = Synthesizer.load(config)
     await synthesizer.start()
-    runner = web.AppRunner(create_app(config, synthesizer))
     try:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        async with LocalGateway(config, synthesizer) as gateway:
+            yield gateway.base_url
     finally:
-        await runner.cleanup()
         await synthesizer.close()
 
 
