@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from gateway.benchmarks.timing import token_budget
+from gateway.model_table import LoraAdapter
 from gateway.orpheus import build_prompt, split_sentences
 from gateway.speech.synthesizer import Synthesizer
 
@@ -37,13 +38,14 @@ class BudgetedEngine:
         setattr(self._engine, name, value)
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None = None,
-                       seed: int | None = None, priority: int = 0) -> AsyncIterator[list[int]]:
+                       seed: int | None = None, priority: int = 0,
+                       lora: LoraAdapter | None = None) -> AsyncIterator[list[int]]:
         budget = self._budgets.get(tuple(prompt_ids))
         if budget is None and self._budgets:
             object.__setattr__(self, "unbudgeted", self.unbudgeted + 1)
         seed = seed if seed is not None else next(self._seeds)
         async for ids in self._engine.generate(prompt_ids, max_tokens=budget or max_tokens, seed=seed,
-                                               priority=priority):
+                                               priority=priority, lora=lora):
             yield ids
 
 
