@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import shutil
 import sqlite3
 import subprocess
@@ -106,6 +107,34 @@ def test_the_key_holds_what_changes_the_sound(test_config: GatewayConfig) -> Non
               PhraseKey.of(test_config, "tara", "en-us", "Bom dia!", seed=3),
               PhraseKey.of(dataclasses.replace(test_config, temperature=0.9), "tara", "en-us", "Bom dia!")]
     assert len({key.digest, *(k.digest for k in others)}) == 1 + len(others)
+
+
+async def test_a_lora_voice_keys_on_its_adapter_so_adapters_never_share_entries(test_config: GatewayConfig,
+                                                                              tmp_path: Path) -> None:
+    """A voice served by a LoRA adapter keys on its base's checkpoint and the adapter's identity (path and a digest
+    of its adapter_config.json): the base voice, two adapters on one base and a retrained adapter all miss."""
+    from gateway.devtools.devmodels import build_test_lora
+    from gateway.phrases.key import checkpoint_identity
+
+    first, second = build_test_lora(tmp_path / "a", seed=1), build_test_lora(tmp_path / "b", seed=2)
+    on_first = dataclasses.replace(test_config, lora=[f"tutor={first}"])
+    on_second = dataclasses.replace(test_config, lora=[f"tutor={second}"])
+    base = PhraseKey.of(on_first, "tara", "en-us", LINE)
+    tutor = PhraseKey.of(on_first, "tutor", "en-us", LINE)
+    assert base.adapter == "" and base.model == tutor.model  # one base checkpoint and its sampling
+    assert tutor.adapter.startswith(f"{first.resolve()}@")
+    other = PhraseKey.of(on_second, "tutor", "en-us", LINE)  # the same voice name on another adapter
+    assert len({base.digest, tutor.digest, other.digest}) == 3
+    config = json.loads((first / "adapter_config.json").read_text())
+    (first / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 4}))  # retrained in place
+    checkpoint_identity.cache_clear()
+    assert PhraseKey.of(on_first, "tutor", "en-us", LINE).digest != tutor.digest
+    store = DiskStore(tmp_path / "store", max_bytes=1 << 20)
+    try:
+        await store.put(base.digest, entry().encode())
+        assert await store.get(tutor.digest) is None and await store.get(other.digest) is None
+    finally:
+        await store.close()
 
 
 async def test_the_disk_store_keeps_its_byte_bound_evicting_the_least_recently_used(tmp_path: Path) -> None:

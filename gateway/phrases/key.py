@@ -11,9 +11,10 @@ from pathlib import Path
 
 from gateway.config import GatewayConfig
 
-KEY_VERSION = 1  # bumped when the entry format or what goes into a key changes: older entries are never read
+KEY_VERSION = 2  # bumped when the entry format or what goes into a key changes: older entries are never read
 STORED_RATE = 1.0  # entries hold audio as synthesised; `rate` is applied on playback, as for a fresh utterance
-CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+# A checkpoint's config files; adapter_config.json is a LoRA adapter's (its rank, alpha and target modules).
+CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "adapter_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -25,8 +26,9 @@ def normalise_text(text: str) -> str:
 
 @lru_cache(maxsize=16)
 def checkpoint_identity(path_or_id: str) -> str:
-    """A checkpoint's name with a digest of its config files and of its weight files' names and sizes (a retrained
-    checkpoint at the same path is another checkpoint). A hub id that is not a folder here is named alone."""
+    """A checkpoint's (or a LoRA adapter's) name with a digest of its config files and of its weight files' names
+    and sizes (a retrained checkpoint at the same path is another checkpoint). A hub id that is not a folder here is
+    named alone."""
     folder = Path(path_or_id)
     if not folder.is_dir():
         return path_or_id
@@ -46,6 +48,7 @@ class PhraseKey:
     """One sentence as the engine would say it."""
 
     model: str
+    adapter: str  # the LoRA adapter the voice runs with on `model` (its `checkpoint_identity`); "" for none
     codec: str
     voice: str
     language: str  # of the stored word timings and visemes
@@ -63,9 +66,13 @@ class PhraseKey:
            seed: int | None = None) -> PhraseKey:
         seed = config.seed if seed is None else seed
         table = config.model_table
-        if voice in table.model_of_voice:  # the voice's own checkpoint and sampling (several models served)
-            config = config.for_model(table.model_for(voice).name)
-        return cls(model=checkpoint_identity(config.model), codec=checkpoint_identity(config.snac_model),
+        adapter = ""
+        if voice in table.model_of_voice:  # the checkpoint and sampling of the engine that speaks the voice
+            base, lora = table.engine_of(voice)
+            config = config.for_model(base)
+            adapter = "" if lora is None else checkpoint_identity(lora.path)
+        return cls(model=checkpoint_identity(config.model), adapter=adapter,
+                   codec=checkpoint_identity(config.snac_model),
                    voice=voice, language=language, text=normalise_text(text), temperature=config.temperature,
                    top_p=config.top_p,
                    repetition_penalty=config.repetition_penalty, max_tokens=config.max_tokens,
