@@ -47,6 +47,7 @@ class DecoderSettings:
     max_batch: int = 256  # streams per step
     max_streams: int = 512  # stream slots, for the sentences of all workers together
     compile: bool | None = None  # the step through torch.compile (the gateway's snac_compile; None: on a GPU)
+    kernels: bool | None = None  # residual units as fused kernels (the gateway's snac_kernels; None: where they run)
 
 
 def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
@@ -55,5 +56,5 @@ def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
 
     snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
                               max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
-                              max_batch=settings.max_batch, compile=settings.compile)
+                              max_batch=settings.max_batch, compile=settings.compile, kernels=settings.kernels)
     return StreamDecoder(snac, settings.max_batch)

@@ -566,7 +566,8 @@ def decoder_settings(config: GatewayConfig) -> DecoderSettings:
     """The SNAC decoder of this configuration: this process's own, or the shared one."""
     return DecoderSettings(snac_model=config.snac_model, device=config.snac_device, snac_dtype=config.snac_dtype,
                            cuda_graphs=config.snac_cuda_graphs, max_batch=config.decode_max_batch,
-                           max_streams=_stream_slots(config), compile=config.snac_compile)
+                           max_streams=_stream_slots(config), compile=config.snac_compile,
+                           kernels=config.snac_kernels)
 
 
 async def aiter_of(items: Iterable[_T] | AsyncIterable[_T]) -> AsyncIterator[_T]:

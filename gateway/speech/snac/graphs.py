@@ -46,6 +46,17 @@ def snac_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
     return device, dtype
 
 
+def snac_kernels(device: str, kernels: bool | None) -> bool:
+    """The one reading of `--snac-kernels`' default (None): the fused kernels wherever they can run (CUDA with
+    Triton); asked for where they cannot, a ValueError that says why."""
+    from gateway.speech.snac.kernels import kernels_available
+
+    available = kernels_available(torch.device(device))
+    if kernels and not available:
+        raise ValueError(f"--snac-kernels needs CUDA and Triton; SNAC runs on {device}")
+    return available if kernels is None else kernels
+
+
 def snac_compiles(device: str, compile: bool | None) -> bool:
     """The one reading of `--snac-compile`'s default (None): compile on CUDA, where the fused step is faster than
     eager; not on a CPU, where it is no faster and only adds its compile time
@@ -95,17 +106,18 @@ class DeviceSteps:
     its graphs and the host buffers of its transfers. Not thread-safe: one owner thread."""
 
     def __init__(self, model: Any, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False) -> None:
+                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False, kernels: bool = False) -> None:
         """`model`: a `snac.SNAC` (24 kHz config); its decoder weights are copied, the model is not kept.
-        `compile`: the streaming step through torch.compile (docs/decisions/exact-streaming-snac-decoder.md)."""
+        `compile`: the streaming step through torch.compile (docs/decisions/exact-streaming-snac-decoder.md).
+        `kernels`: its residual units as fused Triton kernels (`snac.kernels`; docs/decisions/snac-kernels.md)."""
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if chunk_frames < 1 or max_streams < 1:
             raise ValueError("chunk_frames and max_streams must be >= 1")
         self.max_streams = max_streams
         self.chunk_frames = chunk_frames
-        self.decoder = DecoderLayers(model, self.device, self.dtype, fusable=compile)
-        self.compiled = compile
+        self.decoder = DecoderLayers(model, self.device, self.dtype, fusable=compile, kernels=kernels)
+        self.compiled, self.kernels = compile, kernels
         # One compile per `masked` value: the batch dimension is marked dynamic (`_run_packed`) and never 1.
         self._stream = (torch.compile(self.decoder.stream, fullgraph=True, dynamic=False) if compile
                         else self.decoder.stream)

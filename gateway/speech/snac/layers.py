@@ -165,14 +165,17 @@ def _snake(m: Any, device: torch.device, dtype: torch.dtype) -> _Snake:
 class DecoderLayers:
     """SNAC's decoder as plain tensors, run two ways: a full padded decode and a streaming step."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, fusable: bool = False) -> None:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, fusable: bool = False,
+                 kernels: bool = False) -> None:
         """`fusable`: the streaming step written for torch.compile to fuse (depthwise convolutions as shifted
-        products, residual skips as selects) rather than for eager kernels; the same numbers."""
+        products, residual skips as selects) rather than for eager kernels; the same numbers. `kernels`: the
+        streaming step's residual units as one fused kernel each (`kernels.residual_unit_op`; CUDA, or Triton's
+        interpreter in tests)."""
         if getattr(model, "attn_window_size", None) is not None:
             raise ValueError("SNAC models with local attention (32/44 kHz) are not streamable here")
         if list(model.vq_strides) != [LATENT_PER_FRAME, 2, 1]:
             raise ValueError(f"expected vq_strides [4, 2, 1] (Orpheus' 24 kHz SNAC), got {model.vq_strides}")
-        self.device, self.dtype, self.fusable = device, dtype, fusable
+        self.device, self.dtype, self.fusable, self.kernels = device, dtype, fusable, kernels
         with torch.no_grad():
             # Per codebook: out_proj(codebook) as a [4096, latent_dim] table; z = sum of three rows per latent frame.
             self.tables = [_tensor(q.out_proj(q.codebook.weight.t()[None])[0].t(), device, dtype)
@@ -341,6 +344,8 @@ class DecoderLayers:
             return x.mul_(valid.to(self.dtype)[:, None, :])
 
         per_frame, delay = LATENT_PER_FRAME, 0
+        if self.kernels:  # the kernels read one value per row
+            frame, end = frame.contiguous(), end.contiguous()
         x = mask(self.latent(codes), per_frame, delay)
         for conv in self.pre:
             if conv.history:
@@ -356,6 +361,9 @@ class DecoderLayers:
             pos = positions(per_frame, delay, x.shape[-1])
             x = self._noise(b, layer, mask(x, per_frame, delay, pos), seeds, pos)
             for u in b.units:
+                if self.kernels:
+                    x, delay = self._fused_unit(u, x, take(), take(), tails, frame, end, per_frame, delay, masked)
+                    continue
                 y = u.proj.valid(u.snake2(u.conv.valid(exchange(u.snake1(x)))))
                 delay += u.conv.pad
                 x = mask(add_delayed(y, x), per_frame, delay)
@@ -364,3 +372,21 @@ class DecoderLayers:
         assert delay == self.delay and offset == state.shape[1]
         return audio, torch.cat(tails, dim=1)
 
+    @staticmethod
+    def _fused_unit(u: _Unit, x: torch.Tensor, snake_old: torch.Tensor, x_old: torch.Tensor,
+                    tails: list[torch.Tensor], frame: torch.Tensor, end: torch.Tensor, per_frame: int, delay: int,
+                    masked: bool) -> tuple[torch.Tensor, int]:
+        """A residual unit's step by the fused kernel: the same state pieces (snake1's history, x's delayed tail)
+        and output as the layer-by-layer step. Returns the output and the delay after the unit."""
+        from gateway.speech.snac.kernels import residual_unit_op
+
+        batch, length = x.shape[0], x.shape[-1]
+        hist, keep = snake_old.shape[-1], x_old.shape[-1]
+        snake_tail = (u.snake1(x[..., length - hist:]) if length >= hist
+                      else torch.cat([snake_old, u.snake1(x)], dim=2)[..., -hist:])
+        x_tail = x[..., length - keep:] if length >= keep else torch.cat([x_old, x], dim=2)[..., -keep:]
+        tails += [snake_tail.reshape(batch, -1), x_tail.reshape(batch, -1)]
+        delay += u.conv.pad
+        out = residual_unit_op(x, snake_old, x_old, u.snake1.alpha, u.snake2.alpha, u.conv.weight, u.conv.bias,
+                               u.proj.weight, u.proj.bias, u.conv.dilation, frame, end, per_frame, delay, masked)
+        return out, delay

@@ -15,7 +15,7 @@ import torch
 
 from gateway.orpheus import CODEBOOK_SIZE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME, Frame
 from gateway.speech.snac.bridge import StreamBridge, fade_in, to_int16
-from gateway.speech.snac.graphs import INT16_MAX, snac_compiles, snac_device_and_dtype
+from gateway.speech.snac.graphs import INT16_MAX, snac_compiles, snac_device_and_dtype, snac_kernels
 from gateway.speech.snac.layers import OPEN_END
 from gateway.speech.snac.state import MAX_HEAD_FRAMES, StreamHandle
 
@@ -39,21 +39,22 @@ class StreamingSnac(StreamBridge):
     HEAD_FRAMES = MAX_HEAD_FRAMES  # for callers without torch (the stream decoder): the bridge's reach
 
     def __init__(self, model: Any, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False) -> None:
+                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False, kernels: bool = False) -> None:
         """`model`: a `snac.SNAC` (24 kHz config); its decoder weights are copied, the model is not kept.
-        `compile`: the streaming step through torch.compile. `max_streams` slots, `chunk_frames` per step."""
-        super().__init__(model, device, dtype, max_streams, chunk_frames, compile)
+        `compile`: the streaming step through torch.compile; `kernels`: its residual units as fused kernels.
+        `max_streams` slots, `chunk_frames` per step."""
+        super().__init__(model, device, dtype, max_streams, chunk_frames, compile, kernels)
         self._free = list(range(max_streams - 1, -1, -1))
         self._seeds = itertools.count(1)
 
     @classmethod
     def load(cls, name_or_path: str, device: str = "auto", dtype: str = "auto", max_streams: int = 64,
              chunk_frames: int = 1, capture_graphs: bool = True, max_batch: int | None = None,
-             compile: bool | None = None) -> StreamingSnac:
+             compile: bool | None = None, kernels: bool | None = None) -> StreamingSnac:
         """Load a SNAC checkpoint (hub name or folder) and build the streaming decoder on `device` in `dtype`
-        ("auto": `snac_device_and_dtype`), its step compiled with `compile` (None: `snac_compiles`) before
-        anything runs. On CUDA with `capture_graphs`, graphs for batch buckets up to `max_batch` (default:
-        min(max_streams, 512)) are captured at once.
+        ("auto": `snac_device_and_dtype`), its step compiled with `compile` (None: `snac_compiles`), its residual
+        units fused with `kernels` (None: `snac_kernels`) before anything runs. On CUDA with `capture_graphs`,
+        graphs for batch buckets up to `max_batch` (default: min(max_streams, 512)) are captured at once.
 
         Where compiling was only the default (`compile` None) and fails (no Triton for this GPU, no C compiler),
         the step runs eagerly with a warning: exact all the same, only slower. Asked for by name, its failure
@@ -62,7 +63,8 @@ class StreamingSnac(StreamBridge):
 
         device, dtype = snac_device_and_dtype(device, dtype)
         model = SNAC.from_pretrained(name_or_path).eval()
-        snac = cls(model, device, dtype, max_streams, chunk_frames, snac_compiles(device, compile))
+        fused = snac_kernels(device, kernels)
+        snac = cls(model, device, dtype, max_streams, chunk_frames, snac_compiles(device, compile), fused)
         try:
             snac.precompile()  # a compiler that cannot work fails here, before any graph capture
         except Exception as exc:
@@ -70,7 +72,7 @@ class StreamingSnac(StreamBridge):
                 raise
             log.warning("SNAC: compiling the decoder's step failed (%s: %s); it runs eagerly (--no-snac-compile "
                         "skips the attempt)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            snac = cls(model, device, dtype, max_streams, chunk_frames, False)
+            snac = cls(model, device, dtype, max_streams, chunk_frames, False, fused)
         if capture_graphs:
             snac.capture_graphs(max_batch)
         return snac

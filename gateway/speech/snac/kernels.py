@@ -1,0 +1,164 @@
+"""Triton kernels of the exact streaming step, used on CUDA in place of the layers they fuse; `layers.DecoderLayers`
+keeps the reference path (CPU and tests) with the same numbers up to the rounding of the step's precision.
+
+`residual_unit`: a whole ResidualUnit step, x + proj(snake2(dwconv7(snake1(x)))) with the history of both
+state pieces and the edge mask, in one pass over the activations: each tile reads its inputs once and writes its
+output once, where the layer-by-layer step makes five passes; the 1x1 projection runs on tensor cores.
+Why: docs/decisions/snac-kernels.md. Exactness: tests/test_snac_kernels.py (the interpreter on a CPU) and
+tools/device/snac_stream_bench.py (the card).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+TAPS = 7  # SNAC's residual units: depthwise k7 convolutions, dilations 1, 3, 9 (snake's epsilon: 1e-9, as snac's)
+
+
+@functools.cache
+def _triton() -> Any:
+    """The triton module, or None where it cannot run these kernels."""
+    try:
+        import triton
+        import triton.language
+    except ImportError:
+        return None
+    return triton
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether the fused kernels can run on `device`: CUDA with Triton (the interpreter runs them on a CPU, for
+    tests only)."""
+    return device.type == "cuda" and _triton() is not None and torch.cuda.is_available()
+
+
+@functools.cache
+def _unit_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def unit_kernel(x_ptr, sx_b, sx_c, sh_ptr, ssh_b, ssh_c, xh_ptr, sxh_b, sxh_c, out_ptr, so_b, so_c,
+                    alpha1_ptr, alpha2_ptr, dw_w_ptr, dw_b_ptr, pw_w_ptr, pw_b_ptr, frame_ptr, end_ptr,
+                    length, per_frame, delay,
+                    C: tl.constexpr, K: tl.constexpr, DIL: tl.constexpr,  # noqa: N803 - Triton's style
+                    MASKED: tl.constexpr, HAS_DW_BIAS: tl.constexpr, HAS_PW_BIAS: tl.constexpr,  # noqa: N803
+                    LOW_PRECISION: tl.constexpr,  # noqa: N803
+                    BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr):  # noqa: N803
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        co = tl.program_id(2) * BLOCK_CO + tl.arange(0, BLOCK_CO)
+        t_ok = t < length
+        hist = (K - 1) * DIL  # snake1(x) history kept in the state
+        delayed = (K - 1) // 2 * DIL  # x history kept for the residual skip: the conv's padding
+        acc = tl.zeros((BLOCK_CO, BLOCK_T), dtype=tl.float32)
+        for ci0 in range(0, C, BLOCK_CI):
+            ci = ci0 + tl.arange(0, BLOCK_CI)
+            a1 = tl.load(alpha1_ptr + ci).to(tl.float32)[:, None]
+            inv1 = 1.0 / (a1 + 1e-9)
+            h = tl.zeros((BLOCK_CI, BLOCK_T), dtype=tl.float32)
+            for k in tl.static_range(K):
+                j = t + k * DIL  # index into history ++ fresh
+                in_hist = j < hist
+                old = tl.load(sh_ptr + row * ssh_b + ci[:, None] * ssh_c + j[None, :],
+                              mask=(in_hist & t_ok)[None, :], other=0.0).to(tl.float32)
+                new = tl.load(x_ptr + row * sx_b + ci[:, None] * sx_c + (j - hist)[None, :],
+                              mask=((~in_hist) & t_ok)[None, :], other=0.0).to(tl.float32)
+                s = tl.sin(a1 * new)
+                new = new + inv1 * s * s
+                w = tl.load(dw_w_ptr + ci * K + k).to(tl.float32)[:, None]
+                h += tl.where(in_hist[None, :], old, new) * w
+            if HAS_DW_BIAS:
+                h += tl.load(dw_b_ptr + ci).to(tl.float32)[:, None]
+            a2 = tl.load(alpha2_ptr + ci).to(tl.float32)[:, None]
+            s2 = tl.sin(a2 * h)
+            h = h + (1.0 / (a2 + 1e-9)) * s2 * s2
+            w_pw = tl.load(pw_w_ptr + co[:, None] * C + ci[None, :])
+            if LOW_PRECISION:
+                acc += tl.dot(w_pw, h.to(w_pw.dtype))
+            else:
+                acc += tl.dot(w_pw.to(tl.float32), h, input_precision="ieee")
+        if HAS_PW_BIAS:
+            acc += tl.load(pw_b_ptr + co).to(tl.float32)[:, None]
+        # The residual skip: x delayed by the padding, its first samples from the state's x history.
+        early = t < delayed
+        skip_old = tl.load(xh_ptr + row * sxh_b + co[:, None] * sxh_c + t[None, :],
+                           mask=(early & t_ok)[None, :], other=0.0).to(tl.float32)
+        skip_new = tl.load(x_ptr + row * sx_b + co[:, None] * sx_c + (t - delayed)[None, :],
+                           mask=((~early) & t_ok)[None, :], other=0.0).to(tl.float32)
+        out = acc + tl.where(early[None, :], skip_old, skip_new)
+        if MASKED:  # the full decode's zero padding: 0 outside [0, end) at this layer's rate
+            pos = tl.load(frame_ptr + row) * per_frame - delay + t
+            valid = (pos >= 0) & (pos < tl.load(end_ptr + row) * per_frame)
+            out = tl.where(valid[None, :], out, 0.0)
+        tl.store(out_ptr + row * so_b + co[:, None] * so_c + t[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=t_ok[None, :])
+
+    return unit_kernel
+
+
+def unit_tiles(channels: int, length: int, interpreted: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_CO, BLOCK_CI, num_warps) of a unit of `channels` over `length` samples: all output channels
+    of a tile in one program up to 128 (the depthwise part is computed once per tile), tiles no longer than the
+    step. `interpreted` (Triton's interpreter, on a CPU): one tile per row and channel block, each op one numpy
+    call over it."""
+    whole = 1 << (max(16, length) - 1).bit_length()
+    if interpreted:
+        return whole, min(channels, 128), channels, 4
+    block_t = min(64, whole)
+    block_co = min(channels, 128)
+    block_ci = min(channels, 32)
+    return block_t, block_co, block_ci, 8 if block_co * block_t >= 8192 else 4
+
+
+def residual_unit(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch.Tensor, alpha1: torch.Tensor,
+                  alpha2: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor | None,
+                  pw_weight: torch.Tensor, pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor,
+                  end: torch.Tensor, per_frame: int, delay: int, masked: bool,
+                  tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """One ResidualUnit step of B streams: `x` [B, C, L] the fresh input, `snake_history` [B, C, 6 d] the kept
+    snake1 outputs, `x_history` [B, C, 3 d] the kept inputs (time contiguous, any batch/channel strides); weights
+    as `layers._Unit` holds them. With `masked`, outputs outside [0, end * per_frame) at positions
+    frame * per_frame - delay + t are 0 (`delay` counts this unit's padding); `tiles`: `unit_tiles`' choice unless
+    given. Returns [B, C, L] in x's dtype."""
+    batch, channels, length = x.shape
+    for name, t in (("x", x), ("snake_history", snake_history), ("x_history", x_history)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in time")
+    if not (frame.is_contiguous() and end.is_contiguous()):
+        raise ValueError("frame and end must be contiguous")
+    out = torch.empty((batch, channels, length), dtype=x.dtype, device=x.device)
+    block_t, block_co, block_ci, warps = tiles or unit_tiles(channels, length, interpreted=x.device.type == "cpu")
+    grid = (batch, -(-length // block_t), -(-channels // block_co))
+    dummy = pw_weight  # any tensor: the bias pointers are not read without a bias
+    _unit_kernel()[grid](
+        x, x.stride(0), x.stride(1), snake_history, snake_history.stride(0), snake_history.stride(1),
+        x_history, x_history.stride(0), x_history.stride(1), out, out.stride(0), out.stride(1),
+        alpha1.reshape(-1), alpha2.reshape(-1), dw_weight.reshape(channels, TAPS).contiguous(),
+        dummy if dw_bias is None else dw_bias, pw_weight.reshape(channels, channels).contiguous(),
+        dummy if pw_bias is None else pw_bias, frame, end, length, per_frame, delay,
+        C=channels, K=TAPS, DIL=dilation, MASKED=masked, HAS_DW_BIAS=dw_bias is not None,
+        HAS_PW_BIAS=pw_bias is not None, LOW_PRECISION=x.dtype != torch.float32,
+        BLOCK_T=block_t, BLOCK_CO=block_co, BLOCK_CI=block_ci, num_warps=warps)
+    return out
+
+
+@torch.library.custom_op("orpheus_gateway::snac_residual_unit", mutates_args=())
+def residual_unit_op(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch.Tensor, alpha1: torch.Tensor,
+                     alpha2: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor | None,
+                     pw_weight: torch.Tensor, pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor,
+                     end: torch.Tensor, per_frame: int, delay: int, masked: bool) -> torch.Tensor:
+    """`residual_unit` as a torch operator: torch.compile keeps it whole (one kernel inside the compiled step)."""
+    return residual_unit(x.contiguous() if x.stride(-1) != 1 else x, snake_history, x_history, alpha1, alpha2,
+                         dw_weight, dw_bias, pw_weight, pw_bias, dilation, frame, end, per_frame, delay, masked)
+
+
+@residual_unit_op.register_fake
+def _(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch.Tensor, alpha1: torch.Tensor,
+      alpha2: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor | None, pw_weight: torch.Tensor,
+      pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor, end: torch.Tensor, per_frame: int,
+      delay: int, masked: bool) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

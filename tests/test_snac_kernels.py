@@ -1,0 +1,124 @@
+"""The fused Triton kernels of the exact streaming SNAC step (gateway/speech/snac/kernels.py) against the
+layer-by-layer step and `snac.SNAC.decode`, on a CPU through Triton's interpreter (float32, so exact up to float
+rounding). On the card the same comparison runs in bfloat16 (tools/device/snac_stream_bench.py `check`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.devtools.snac_reference import reference_decode
+from gateway.speech.snac import StreamingSnac
+from gateway.speech.snac.graphs import snac_kernels
+from tests.support import make_frames
+
+EXACT = 1e-5  # float32 max abs difference that counts as exact (the layer-by-layer step's own bound)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> Iterator[None]:
+    """Triton's interpreter for this module's kernels: they run on CPU tensors (numpy underneath)."""
+    from gateway.speech.snac import kernels
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TRITON_INTERPRET", "1")
+    kernels._unit_kernel.cache_clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    kernels._unit_kernel.cache_clear()
+    torch.set_num_threads(threads)
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def snac_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    from snac import SNAC
+
+    from gateway.devtools.devmodels import build_test_snac
+
+    path: Path = build_test_snac(tmp_path_factory.mktemp("snac-kernels"))
+    return SNAC.from_pretrained(str(path)).eval()
+
+
+def stream_all(snac: StreamingSnac, utterances: list[tuple[list, int]], bursts: list[int]) -> list[np.ndarray]:
+    """Every utterance decoded together, frames pushed in `bursts` per tick, one `step_batch` per tick (so steps
+    mix rows at the start edge, in the middle and flushing past the end)."""
+    handles = [snac.open_stream(seed) for _, seed in utterances]
+    pieces: list[list[np.ndarray]] = [[] for _ in utterances]
+    pushed = [0] * len(utterances)
+    tick = 0
+    while not all(snac.done(h) for h in handles):
+        for i, ((frames, _), h) in enumerate(zip(utterances, handles, strict=True)):
+            if not h.finished:
+                burst = bursts[(tick + i) % len(bursts)]
+                snac.push(h, frames[pushed[i]:pushed[i] + burst])
+                pushed[i] = min(len(frames), pushed[i] + burst)
+                if pushed[i] == len(frames):
+                    snac.finish(h)
+        for i, piece in enumerate(snac.step_batch(handles, as_float=True)):
+            pieces[i].append(piece)
+        tick += 1
+    for h in handles:
+        snac.close(h)
+    return [np.concatenate(p) for p in pieces]
+
+
+def test_fused_units_are_exact(interpreted: None, snac_model: torch.nn.Module) -> None:
+    """Streams of 1 and 5 frames through the fused residual units, batched with one another: the audio equals
+    the full `SNAC.decode` (position-tied noise) and the layer-by-layer step, edges included (masked steps at the
+    start and the flush, unmasked ones in between)."""
+    utterances = [(make_frames(n, seed=n), 500 + n) for n in (1, 5)]
+    fused = StreamingSnac(snac_model, "cpu", "float32", max_streams=4, kernels=True)
+    layered = StreamingSnac(snac_model, "cpu", "float32", max_streams=4)
+    assert fused.decoder.kernels and not layered.decoder.kernels
+    got = stream_all(fused, utterances, [1, 2])
+    want = stream_all(layered, utterances, [1, 2])
+    for (frames, seed), a, b in zip(utterances, got, want, strict=True):
+        reference = reference_decode(snac_model, [frames], [seed])[0]
+        assert a.shape == reference.shape
+        assert np.abs(a - b).max() < EXACT
+        assert np.abs(a - reference).max() < EXACT
+
+
+def test_kernels_are_the_default_where_they_run() -> None:
+    """`--snac-kernels` unset: on where SNAC runs on CUDA with Triton, off on a CPU; asked for on a CPU, a clear
+    error."""
+    assert snac_kernels("cpu", None) is False
+    assert snac_kernels("cpu", False) is False
+    with pytest.raises(ValueError, match="needs CUDA and Triton"):
+        snac_kernels("cpu", True)
+
+
+@pytest.mark.parametrize(("channels", "length", "dilation"), [(64, 150, 9), (128, 40, 3), (256, 33, 1)])
+def test_unit_kernel_in_the_cards_tiles(interpreted: None, channels: int, length: int, dilation: int) -> None:
+    """The kernel in the tiles it runs in on a card (`unit_tiles`: several time tiles, a partial last one, the
+    input channels in blocks) against the unit written with torch's own layers, masked and not."""
+    from snac.layers import snake
+    from torch.nn import functional as nnf
+
+    from gateway.speech.snac.kernels import residual_unit, unit_tiles
+
+    g = torch.Generator().manual_seed(channels + length)
+    batch, pad = 3, 3 * dilation
+    x, old_snake, old_x = (torch.randn(batch, channels, n, generator=g) for n in (length, 2 * pad, pad))
+    alpha1, alpha2 = (torch.rand(1, channels, 1, generator=g) + 0.5 for _ in range(2))
+    dw_w, dw_b = torch.randn(channels, 1, 7, generator=g) * 0.3, torch.randn(channels, generator=g)
+    pw_w, pw_b = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5, torch.randn(channels, generator=g)
+    frame, end, per_frame, delay = torch.tensor([0, 3, 9]), torch.tensor([1 << 40, 4, 1 << 40]), length, 2 * pad
+    y = nnf.conv1d(torch.cat([old_snake, snake(x, alpha1)], dim=2), dw_w, dw_b, dilation=dilation, groups=channels)
+    y = nnf.conv1d(snake(y, alpha2), pw_w, pw_b) + torch.cat([old_x, x[..., :length - pad]], dim=2)
+    pos = (frame * per_frame - delay)[:, None] + torch.arange(length)[None, :]
+    valid = ((pos >= 0) & (pos < (end * per_frame)[:, None]))[:, None, :]
+    tiles = unit_tiles(channels, length)
+    assert tiles[0] < length or tiles[2] < channels  # more than one tile or input block: the card's loops run
+    for masked in (False, True):
+        got = residual_unit(x, old_snake, old_x, alpha1, alpha2, dw_w, dw_b, pw_w, pw_b, dilation, frame, end,
+                            per_frame, delay, masked, tiles=tiles)
+        want = y * valid if masked else y
+        assert (got - want).abs().max() < EXACT * 10  # sums over up to 256 channels: float32 rounding
