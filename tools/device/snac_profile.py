@@ -8,7 +8,8 @@ graph's launch savings), each kernel's device time summed per step and grouped i
 - windows: one 3-frame window per stream (`windows_baseline.SnacModel`, snac's own decoder), the step of the
   gateway's old windows decoder (the baseline);
 - stream: the exact decoder's unmasked step (`StreamingSnac`: gather, decode, scatter, PCM);
-- stream-compiled: the same through torch.compile (`StreamingSnac(compile=True)`).
+- stream-compiled: the same through torch.compile (`StreamingSnac(compile=True)`);
+- stream-kernels: compiled, its residual units as the fused Triton kernels (the default on a GPU).
 
 The table says what bounds a step: arithmetic (cuDNN/cuBLAS convolutions and GEMMs), PyTorch's generic depthwise
 kernel, elementwise passes (aten, TorchScript-fused Snake, Inductor's Triton), copies, gathers. The JSON keeps
@@ -115,11 +116,11 @@ def variant_runs(snac_dir: str, device: torch.device, dtype: str, batch: int, va
         model = SnacModel.load(snac_dir, str(device), dtype)
         codes = rng.integers(0, 4096, (batch, SLOTS_PER_FRAME * WINDOW_FRAMES), dtype=np.int64)
         runs["windows"] = lambda c=codes: model.decode_codes(c, WINDOW_FRAMES, use_graphs=False)
-    for name in ("stream", "stream-compiled"):
+    for name in ("stream", "stream-compiled", "stream-kernels"):
         if name not in variants:
             continue
         snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=batch, capture_graphs=False,
-                                  compile=name == "stream-compiled")
+                                  compile=name != "stream", kernels=name == "stream-kernels")
         slots = torch.arange(batch, device=device)
         frames = torch.from_numpy(rng.integers(0, 4096, (batch, 1, SLOTS_PER_FRAME))).to(device)
         mid = torch.full((batch,), 10, device=device)  # every stream mid-utterance: the unmasked step

@@ -6,7 +6,9 @@ For each batch size B (streams decoded together) and dtype, one call advances ev
 - windows: `windows_baseline.SnacModel` with CUDA graphs on 3-frame windows (1 context + 1 new + 1
   lookahead), what the gateway ran before the exact stream (the baseline);
 - stream: `gateway.speech.snac.StreamingSnac` with CUDA graphs (one frame per stream per step);
-- stream-compiled (`--stream-variants eager,compiled`): the same with its step through torch.compile.
+- stream-compiled (`--stream-variants eager,compiled`): the same with its step through torch.compile;
+- stream-kernels (`kernels`): compiled, its residual units as the fused Triton kernels (`snac.kernels`), the
+  gateway's default on a GPU; `kernels-eager`: the kernels without torch.compile around them.
 
 Reported per row: `gpu_ms` (torch.cuda.Event time of the graph replay alone, median; for the stream the
 unmasked steady-state step, `gpu_ms_masked` the masked step of a stream's first 3 and last 3 steps), `call_ms`
@@ -46,6 +48,9 @@ from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME
 from gateway.speech.snac import OPEN_END, StreamingSnac
 
 WINDOW_FRAMES = 3
+# --stream-variants: (torch.compile, fused residual-unit kernels) of the streaming step
+VARIANTS = {"eager": (False, False), "compiled": (True, False), "kernels": (True, True),
+            "kernels-eager": (False, True)}
 STEPS_PER_AUDIO_SECOND = SAMPLE_RATE / SAMPLES_PER_FRAME  # 11.72 calls per second of audio per stream
 
 
@@ -125,10 +130,11 @@ def bench_windows(snac_dir: str, device: torch.device, dtype: str, batches: list
 
 
 def bench_stream(snac_dir: str, device: torch.device, dtype: str, batches: list[int], repeats: int,
-                 warmup: int, utterance_frames: int, compile: bool = False) -> list[dict[str, Any]]:
+                 warmup: int, utterance_frames: int, variant: str = "eager") -> list[dict[str, Any]]:
     t0 = time.perf_counter()
+    compile, kernels = VARIANTS[variant]
     snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=max(batches), max_batch=max(batches),
-                              compile=compile)
+                              compile=compile, kernels=kernels)
     capture_s = time.perf_counter() - t0
     rows = []
     rng = np.random.default_rng(1)
@@ -158,7 +164,7 @@ def bench_stream(snac_dir: str, device: torch.device, dtype: str, batches: list[
         masked_per_s = gpu_ms[True] / batch * STEPS_PER_AUDIO_SECOND
         steps = utterance_frames + flush
         amortized = ((steps - edge_steps) * per_s + edge_steps * masked_per_s) / utterance_frames
-        rows.append({"method": "stream-compiled" if compile else "stream", "dtype": dtype, "batch": batch,
+        rows.append({"method": "stream" if variant == "eager" else f"stream-{variant}", "dtype": dtype, "batch": batch,
                      "gpu_ms": round(gpu_ms[False], 3),
                      "gpu_ms_masked": round(gpu_ms[True], 3), "call_ms": round(call_ms, 3),
                      "gpu_ms_per_audio_s": round(per_s, 4),
@@ -192,10 +198,10 @@ def bench_bridge(snac_dir: str, device: torch.device, dtype: str, repeats: int, 
     return rows
 
 
-def check(snac_dir: str, device: torch.device, with_bf16: bool, compiled: bool = False) -> dict[str, Any]:
+def check(snac_dir: str, device: torch.device, with_bf16: bool, variants: list[str]) -> dict[str, Any]:
     """Graphed streaming decode of lengths 1, 7, 23 (one padded batch, streams at different positions) vs the
-    full `SNAC.decode` with the same noise; bfloat16 vs float32 streaming (SNR); with `compiled`, the compiled
-    step's float32 decode vs `SNAC.decode` too."""
+    full `SNAC.decode` with the same noise; bfloat16 vs float32 streaming (SNR); each other step variant (compiled,
+    kernels) in float32 vs `SNAC.decode` too, and in bfloat16 its SNR against the float32 stream."""
     from snac import SNAC
 
     tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
@@ -208,9 +214,13 @@ def check(snac_dir: str, device: torch.device, with_bf16: bool, compiled: bool =
         refs = [reference_decode(model, [u], [s])[0] for u, s in zip(utterances, seeds, strict=True)]
         result: dict[str, Any] = {}
         streamed: dict[str, list[np.ndarray]] = {}
-        variants = [("float32", False)] + [("bfloat16", False)] * with_bf16 + [("float32", True)] * compiled
-        for dtype, compile in variants:
-            snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=4, max_batch=4, compile=compile)
+        others = [v for v in variants if v != "eager"]
+        runs = ([("float32", "eager")] + [("bfloat16", "eager")] * with_bf16 + [("float32", v) for v in others]
+                + [("bfloat16", v) for v in others] * with_bf16)
+        for dtype, variant in runs:
+            compile, kernels = VARIANTS[variant]
+            snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=4, max_batch=4, compile=compile,
+                                      kernels=kernels)
             handles = [snac.open_stream(s) for s in seeds]
             pieces: list[list[np.ndarray]] = [[] for _ in handles]
             for tick in range(40):
@@ -221,7 +231,7 @@ def check(snac_dir: str, device: torch.device, with_bf16: bool, compiled: bool =
                             snac.finish(h)
                 for piece, out in zip(snac.step_batch(handles, as_float=True), pieces, strict=True):
                     out.append(piece)
-            name = f"{dtype}_compiled" if compile else dtype
+            name = dtype if variant == "eager" else f"{dtype}_{variant}"
             streamed[name] = [np.concatenate(p) for p in pieces]
             result[f"{name}_graphed"] = bool(snac._graphs)
         for name in [n for n in streamed if n.startswith("float32")]:
@@ -230,8 +240,9 @@ def check(snac_dir: str, device: torch.device, with_bf16: bool, compiled: bool =
             result[f"{name}_exact"] = max(diffs) < 1e-4
         if with_bf16:
             ref = np.concatenate(streamed["float32"])
-            got = np.concatenate(streamed["bfloat16"])
-            result["bfloat16_snr_db"] = round(float(10 * np.log10((ref ** 2).sum() / ((got - ref) ** 2).sum())), 1)
+            for name in [n for n in streamed if n.startswith("bfloat16")]:
+                got = np.concatenate(streamed[name])
+                result[f"{name}_snr_db"] = round(float(10 * np.log10((ref ** 2).sum() / ((got - ref) ** 2).sum())), 1)
         return result
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -257,11 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snake", choices=("script", "compiled"), default="script",
                         help="Snake activation: snac's TorchScript function, or one torch.compile kernel (fused)")
     parser.add_argument("--stream-variants", default="eager",
-                        help="streaming steps to time, comma-separated: eager, compiled (StreamingSnac(compile=True))")
+                        help="streaming steps to time, comma-separated: " + ", ".join(VARIANTS))
     args = parser.parse_args(argv)
     variants = args.stream_variants.split(",")
-    if not set(variants) <= {"eager", "compiled"}:
-        parser.error("--stream-variants: eager and/or compiled")
+    if not set(variants) <= set(VARIANTS):
+        parser.error("--stream-variants: " + ", ".join(VARIANTS))
     if args.snake == "compiled":
         use_compiled_snake()
     device = torch.device(args.device)
@@ -279,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "batches": batches, "dtypes": dtypes, "repeats": repeats,
             "tf32_cudnn": torch.backends.cudnn.allow_tf32 if cuda else None, "snake": args.snake, "results": []}
         if not args.no_check:
-            report["check"] = check(snac_dir, device, "bfloat16" in dtypes, "compiled" in variants)
+            report["check"] = check(snac_dir, device, "bfloat16" in dtypes, variants)
             print("check:", json.dumps(report["check"]), flush=True)
             _write(args.out, report)
         for dtype in dtypes:
@@ -288,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             for variant in variants:
                 report["results"] += bench_stream(snac_dir, device, dtype, batches, repeats, warmup,
-                                                  args.utterance_frames, compile=variant == "compiled")
+                                                  args.utterance_frames, variant)
                 if cuda:
                     torch.cuda.empty_cache()
             report.setdefault("bridge", []).extend(bench_bridge(snac_dir, device, dtype, repeats, warmup))
