@@ -55,11 +55,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-
-
 def make_frames(n: int, seed: int = 0) -> list[Frame]:
     return random_frames(n, seed)
-
 
 
 async def decoded_audio(chunks: asyncio.Queue[Any], timeout: float = 60.0) -> np.ndarray:
@@ -73,16 +70,30 @@ async def decoded_audio(chunks: asyncio.Queue[Any], timeout: float = 60.0) -> np
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
 
 
-async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+async def wait_until(predicate, timeout: float = 10.0,  # type: ignore[no-untyped-def]
+                     message: str = "condition not met") -> None:
+    """Polls `predicate` on this loop until it holds, failing with `message` after `timeout` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
+            raise AssertionError(f"not within {timeout:g} s: {message}")
         await asyncio.sleep(0.05)
 
 
+class ManualClock:
+    """An injectable clock (`PlayoutTrack(clock=)`, `StreamDecoder(clock=)`, ...) that stands still until the test
+    moves it: a timing rule is tested on the times the test sets, whatever this machine's speed. Threads may read it."""
 
+    def __init__(self, start: float = 100.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
 
 
 def poll_until(predicate, message: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -97,21 +108,16 @@ def poll_until(predicate, message: str, timeout: float = 10.0) -> None:  # type:
 TOKEN = "static-token-for-tests-0123456789"
 
 
-
 SECRET = "hmac-secret-for-tests-0123456789"
-
 
 
 SCHOOL = "https://school.example"
 
 
-
 EVIL = "https://evil.example"
 
 
-
 EVENT_TIMEOUT_S = 60.0  # the engine is slow on a shared 2-core CPU
-
 
 
 @contextlib.asynccontextmanager
@@ -126,7 +132,6 @@ async def running(config: GatewayConfig, synthesizer: Synthesizer) -> AsyncItera
         await server.close()
 
 
-
 async def offer_sdp() -> str:
     """A valid browser-like offer (recvonly audio + `control` data channel); its peer is closed at once."""
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -136,7 +141,6 @@ async def offer_sdp() -> str:
     sdp = pc.localDescription.sdp
     await pc.close()
     return sdp
-
 
 
 class _SilentTransport:
@@ -152,13 +156,11 @@ class _SilentTransport:
         return getattr(self._inner, name)
 
 
-
 def vanish(peer: HeadlessPeer) -> None:
     """Cut the peer off the network without closing anything: its packets stop, as when a laptop sleeps."""
     for ice in peer.pc._RTCPeerConnection__iceTransports:  # type: ignore[attr-defined]
         for protocol in ice._connection._protocols:
             protocol.transport = _SilentTransport(protocol.transport)
-
 
 
 @contextlib.asynccontextmanager
@@ -177,41 +179,43 @@ async def detached_session(gateway: GatewayState) -> AsyncIterator[Session]:
         await session.close()
 
 
+def capture_pushed(session: Session) -> dict[str, list[np.ndarray]]:
+    """The PCM the session pushes to its playout track, per utterance (what it plays, before Opus)."""
+    pushed: dict[str, list[np.ndarray]] = {}
+    original = session.track.push_pcm
+
+    def spy(utterance_id: str, pcm: np.ndarray) -> bool:
+        pushed.setdefault(utterance_id, []).append(pcm.copy())
+        return original(utterance_id, pcm)
+
+    session.track.push_pcm = spy  # type: ignore[method-assign]
+    return pushed
+
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-
-
-
 TURN_SECRET = "turn-secret-for-tests-0123456789"
-
 
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 TURN_CONF = ROOT / "docker" / "turnserver.conf"
 
 
-
 TURNSERVER = shutil.which("turnserver")
-
 
 
 needs_coturn = pytest.mark.skipif(TURNSERVER is None, reason="coturn's `turnserver` is not on PATH "
                                   "(install.sh installs Debian's coturn; `apt-get install coturn`)")
 
 
-
 TURN_START_TIMEOUT_S = 20.0
 
 
-
 ALLOCATE_TIMEOUT_S = 5.0
-
 
 
 def free_udp_tcp_port() -> int:
@@ -228,7 +232,6 @@ def free_udp_tcp_port() -> int:
             return port
 
 
-
 @dataclasses.dataclass
 class Coturn:
     port: int
@@ -242,17 +245,14 @@ class Coturn:
         return self.log_path.read_text(errors="replace")[-3000:]
 
 
-
 class _Nothing(asyncio.DatagramProtocol):
     pass
-
 
 
 async def allocate(port: int, username: str, credential: str) -> aioice_turn.TurnTransport:
     transport, _ = await asyncio.wait_for(
         aioice_turn.create_turn_endpoint(_Nothing, ("127.0.0.1", port), username, credential), ALLOCATE_TIMEOUT_S)
     return transport
-
 
 
 @pytest.fixture(scope="module", name="coturn")  # conftest imports it for test_turn and test_web
@@ -284,7 +284,6 @@ def coturn_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coturn]:
             proc.wait(timeout=10)
 
 
-
 async def wait_for_coturn(coturn: Coturn) -> None:
     """Until an allocation with fresh credentials works (coturn takes a moment to open its relay ports)."""
     deadline = time.monotonic() + TURN_START_TIMEOUT_S
@@ -299,16 +298,11 @@ async def wait_for_coturn(coturn: Coturn) -> None:
             await asyncio.sleep(0.5)
 
 
-
-
-
 # Tiny-model stop rate per frame: utterances of ~1 s on average, still bounded by max_tokens.
 TEST_STOP_PROBABILITY = 0.08
 
 
-
 TEST_MAX_TOKENS = 140  # 20 frames = 1.7 s of audio at most per sentence
-
 
 
 def tiny_config(model_dir: Path, snac_dir: Path, **overrides: object) -> GatewayConfig:
@@ -320,7 +314,6 @@ def tiny_config(model_dir: Path, snac_dir: Path, **overrides: object) -> Gateway
     )
     values.update(overrides)
     return from_sources(env={}, **values)
-
 
 
 def cli_env() -> dict[str, str]:
@@ -356,8 +349,19 @@ async def chromium() -> AsyncIterator[Any]:
             await browser.close()
 
 
-SERVER_START_TIMEOUT_S = 300.0  # ~40-60 s on an idle 2-core CPU; more while other engine tests share the cores
+def stop_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+    """Sends `sig` to the process group `proc` leads (started with `start_new_session=True`) and waits for it to
+    exit; SIGKILL after `timeout` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
 
+
+SERVER_START_TIMEOUT_S = 300.0  # ~40-60 s on an idle 2-core CPU; more while other engine tests share the cores
 
 
 class VllmServer:
@@ -395,13 +399,7 @@ class VllmServer:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        stop_process_group(self.proc, sig, timeout=30)
         with contextlib.suppress(ProcessLookupError):  # the engine core, should it outlive its parent
             os.killpg(self.proc.pid, signal.SIGKILL)
 
@@ -414,19 +412,3 @@ class VllmServer:
             text = await r.text()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
-
-
-
-
-# Headless Chromium for browser tests (Debian's package; install.sh installs it). tests/test_web.py keeps its own
-# copy of these flags. Autoplay without a gesture, fake media devices, and no --mute-audio (pass
-# ignore_default_args=["--mute-audio"]): otherwise getStats() counts no samples played out.
-CHROMIUM = Path("/usr/bin/chromium")
-
-
-
-CHROMIUM_ARGS = [
-    "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
-    "--use-fake-device-for-media-stream", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]

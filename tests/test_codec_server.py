@@ -40,7 +40,7 @@ from gateway.speech.decoder import Decoder, DecoderSettings
 from gateway.speech.snac import MAX_HEAD_FRAMES, StreamingSnac
 from gateway.speech.stream_decoder import StreamDecoder
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
-from tests.support import decoded_audio, make_frames, poll_until, wait_until
+from tests.support import ManualClock, decoded_audio, make_frames, poll_until, wait_until
 
 
 @pytest.fixture
@@ -391,17 +391,17 @@ def test_a_waiting_listeners_lead_holds_until_its_audio_is_sent() -> None:
     from its report."""
     from gateway.speech.codec.server import _ClientLead
 
-    now = [100.0]
-    lead = _ClientLead(clock=lambda: now[0])
+    clock = ManualClock(100.0)
+    lead = _ClientLead(clock=clock)
     lead.report(0, runs=False)
-    now[0] += 0.05
+    clock.advance(0.05)
     assert lead() == 0.0, "a lead reported as not running holds"
     lead.sent(2400)  # 100 ms of audio: the listener starts playing it
     assert lead() == pytest.approx(0.1), "the first audio sent starts the run-down from now"
-    now[0] += 0.03
+    clock.advance(0.03)
     assert lead() == pytest.approx(0.07), "100 ms sent, 30 ms played"
     lead.report(200, runs=True)
-    now[0] += 0.05
+    clock.advance(0.05)
     assert lead() == pytest.approx(0.15), "a running report runs down from when it came"
     lead.sent(1200)
     assert lead() == pytest.approx(0.2), "audio sent to a running listener adds to its lead"

@@ -26,6 +26,7 @@ from gateway.media.playout import (
     PlayoutTrack,
 )
 from gateway.media.playout_events import Marker, MarkerReached, PlayoutEvent, UtteranceFinished, UtteranceStarted
+from tests.support import ManualClock
 
 RATIO = SAMPLE_RATE_OUT // SAMPLE_RATE_IN
 AMPLITUDE = 10000
@@ -186,11 +187,11 @@ async def test_reanchors_after_a_stall_instead_of_bursting() -> None:
 async def test_audio_frames_handed_over_after_their_slot_are_counted_per_utterance() -> None:
     """On the track's own clock: a frame handed to the sender 30 ms after its slot counts as late, one 5 ms after
     does not (below half a frame), silence does not count; the utterance's `finished` event carries both."""
-    now = [100.0]
+    clock = ManualClock(100.0)
     events: list[PlayoutEvent] = []
-    track = PlayoutTrack(events.append, clock=lambda: now[0])
+    track = PlayoutTrack(events.append, clock=clock)
     await track.recv()  # anchors the clock on a silent frame
-    now[0] += FRAME_SECONDS + 0.05  # a late silent frame: not counted
+    clock.advance(FRAME_SECONDS + 0.05)  # a late silent frame: not counted
     await track.recv()
     track.begin_utterance("u", 0)
     track.push_pcm("u", ms_of_pcm(100))
@@ -198,7 +199,7 @@ async def test_audio_frames_handed_over_after_their_slot_are_counted_per_utteran
     lateness = {2: 0.03, 3: 0.005}  # by the frame's index in the track
     frame = 2
     while not any(isinstance(e, UtteranceFinished) for e in events):
-        now[0] = 100.0 + frame * FRAME_SECONDS + lateness.get(frame, 0.0)
+        clock.now = 100.0 + frame * FRAME_SECONDS + lateness.get(frame, 0.0)
         await track.recv()
         frame += 1
     finished = events[-1]

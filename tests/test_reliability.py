@@ -62,6 +62,7 @@ from tests.support import (
     SCHOOL,
     SECRET,
     TOKEN,
+    ManualClock,
     detached_session,
     offer_sdp,
     running,
@@ -214,12 +215,12 @@ def test_admission_defaults_follow_the_engine(test_config: GatewayConfig) -> Non
 
 
 def test_token_bucket_allows_burst_then_rate() -> None:
-    now = [0.0]
-    bucket = TokenBucket(rate=2.0, burst=3, clock=lambda: now[0])
+    clock = ManualClock(0.0)
+    bucket = TokenBucket(rate=2.0, burst=3, clock=clock)
     assert [bucket.take() for _ in range(4)] == [True, True, True, False]
-    now[0] += 0.5  # one token back at 2/s
+    clock.advance(0.5)  # one token back at 2/s
     assert [bucket.take() for _ in range(2)] == [True, False]
-    now[0] += 100  # refills to the burst, not beyond
+    clock.advance(100)  # refills to the burst, not beyond
     assert sum(bucket.take() for _ in range(10)) == 3
     assert all(TokenBucket(rate=0, burst=1).take() for _ in range(100)), "rate 0 = unlimited"
 

@@ -115,7 +115,7 @@ class GenerationPace:
         self._median: float | None = None  # of the intervals, while none came or went since
 
     def add(self, at: float, seconds: float, frames: int) -> None:
-        """`frames` frames came at `at` (perf_counter time), `seconds` after the same stream's previous ones."""
+        """`frames` frames came at `at` (the decoder's clock), `seconds` after the same stream's previous ones."""
         self._intervals.append((at, seconds / max(frames, 1)))
         self._median = None
 

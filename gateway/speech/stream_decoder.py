@@ -114,7 +114,7 @@ class DecodeStream:
     started: bool = False  # worker thread only: its first audio went out
     bridging: bool = True  # worker thread only: the bridge, not yet the exact stream, hands out its audio
     bridge_lead: tuple[int, float] | None = None  # worker thread only: (frames bridged, lead) at the last check
-    # Worker thread only: the generation pace, from when frames were pushed (perf_counter times), and when the head
+    # Worker thread only: the generation pace, from when frames were pushed (the decoder's clock), and when the head
     # was ready (`_first_audio_at`).
     first_push_at: float | None = None
     last_push_at: float = 0.0
@@ -127,13 +127,16 @@ class DecodeStream:
 
 
 class StreamDecoder:
-    """Owns a `StreamingSnac` in one worker thread; `open` a stream per sentence."""
+    """Owns a `StreamingSnac` in one worker thread; `open` a stream per sentence. Its time is `clock` (monotonic
+    seconds); the worker waits for a tick that many seconds, or until the next command comes."""
 
     def __init__(self, snac: StreamingSnac, max_batch: int = 256,
                  on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S,
                  due_lead_s: float = DUE_LEAD_S, start: StartPolicy = EXACT_OR_BRIDGE,
-                 on_first_audio: Callable[[bool, float, float | None], None] | None = None) -> None:
+                 on_first_audio: Callable[[bool, float, float | None], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.snac = snac
+        self._clock = clock  # seconds, monotonic: push stamps, holds, steps and their durations all read it
         self.max_batch = max_batch
         self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
         self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
@@ -149,7 +152,7 @@ class StreamDecoder:
         self._outboxes: dict[asyncio.AbstractEventLoop, list[Command]] = {}  # event-loop side: not yet sent
         self.commands_sent = 0  # event-loop side: commands handed to the worker so far (tests wait on it)
         self._streams: list[DecodeStream] = []
-        self._last_step = 0.0  # perf_counter of the last step: the hold counts from it
+        self._last_step = 0.0  # clock time of the last step: the hold counts from it
         self.pace = GenerationPace()  # every stream's recent frame intervals (`_pace_s`)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -164,7 +167,7 @@ class StreamDecoder:
         return DecodeStream(asyncio.get_running_loop(), lead_s, lookahead, lead_runs)
 
     def push(self, stream: DecodeStream, frames: Sequence[Frame]) -> None:
-        self._send("push", stream, (list(frames), time.perf_counter()))
+        self._send("push", stream, (list(frames), self._clock()))
 
     def finish(self, stream: DecodeStream) -> None:
         self._send("finish", stream, None)
@@ -205,13 +208,13 @@ class StreamDecoder:
     def _run(self) -> None:
         import torch
 
-        wake_at: float | None = None  # perf_counter time of the next tick; None: nothing to do until a command
+        wake_at: float | None = None  # clock time of the next tick; None: nothing to do until a command
         with torch.inference_mode():
             while True:
                 try:
                     if wake_at is None:
                         command = self._commands.get()
-                    elif (wait_s := wake_at - time.perf_counter()) > 0:
+                    elif (wait_s := wake_at - self._clock()) > 0:
                         command = self._commands.get(timeout=wait_s)
                     else:
                         command = self._commands.get_nowait()
@@ -233,16 +236,16 @@ class StreamDecoder:
                     sooner = self._next_tick_at(touched)
                     if sooner is not None and (wake_at is None or sooner < wake_at):
                         wake_at = sooner
-                    if wake_at is None or wake_at > time.perf_counter():
+                    if wake_at is None or wake_at > self._clock():
                         continue
                     # due now: tick before reading the queue again, which a steady flow of pushes never empties
                 self._tick()
                 wake_at = self._next_tick_at(self._streams)  # every stream: the tick changed them
 
     def _next_tick_at(self, streams: Sequence[DecodeStream]) -> float | None:
-        """When the worker must tick next for these streams (perf_counter time): now for a first audio or a
+        """When the worker must tick next for these streams (clock time): now for a first audio or a
         bridge decision, the step's time for ready streams (`_step_due_in`), None if none needs anything."""
-        now = time.perf_counter()
+        now = self._clock()
         waits = []
         for stream in streams:
             if stream.handle is None or stream.handle.closed:
@@ -313,10 +316,10 @@ class StreamDecoder:
         handle = stream.handle
         return handle is not None and self.snac.ready(handle) and (
             stream.started or handle.stepped < STEPS_BEFORE_AUDIO or (
-                bool(stream.exact_start) and (handle.finished or stream.start_at <= time.perf_counter())))
+                bool(stream.exact_start) and (handle.finished or stream.start_at <= self._clock())))
 
     def _first_audio_at(self, stream: DecodeStream) -> float | None:
-        """When an unstarted stream's first audio may go out (perf_counter time; 0: at once), None before its head
+        """When an unstarted stream's first audio may go out (clock time; 0: at once), None before its head
         is ready. At once for a finished sentence (the bridge decodes it whole: no hand-over; the exact stream
         flushes it) and while the pace is unknown (one push so far: a fast start, from the bridge); else, at the
         pace `_pace_s` reads, held by `start_hold_s` from its latest frame for a bridged start, by
@@ -354,22 +357,22 @@ class StreamDecoder:
         and every stream's recent ones (`GenerationPace`)."""
         assert stream.first_push_at is not None and stream.frames_after_first > 0
         own = (stream.last_push_at - stream.first_push_at) / stream.frames_after_first
-        return max(own, self.pace.seconds_per_frame(time.perf_counter()))
+        return max(own, self.pace.seconds_per_frame(self._clock()))
 
     def _tick(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         self._bridge()
         ready = [s for s in self._streams if self._steppable(s)]
         if ready:
             leads = {s: s.lead_s() for s in ready}  # once per tick: a lead is a call into the synthesizer
-            if self._step_due_in(min(leads.values()), time.perf_counter()) <= 0:
+            if self._step_due_in(min(leads.values()), self._clock()) <= 0:
                 self._step(leads)
         self._finish_done()
-        self.stats.count_tick(time.perf_counter() - t0)
+        self.stats.count_tick(self._clock() - t0)
 
     def _step(self, leads: dict[DecodeStream, float]) -> None:
         """Step the ready streams (`leads`: each one's lead) by lead, least first, up to `max_batch`."""
-        t0 = time.perf_counter()
+        t0 = self._clock()
         batch = sorted(leads, key=leads.__getitem__)[:self.max_batch]  # the closest to running dry first
         held = leads[batch[0]] >= self.due_lead_s
         self._last_step = t0
@@ -379,7 +382,7 @@ class StreamDecoder:
             log.exception("SNAC stream step failed for %d streams", len(batch))
             self._fail(batch, exc)
             return
-        elapsed = time.perf_counter() - t0
+        elapsed = self._clock() - t0
         self.stats.batches += 1
         self.stats.held_steps += held
         self.stats.windows += len(batch)
@@ -389,7 +392,7 @@ class StreamDecoder:
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed, 1, len(batch))
         pieces = [(s, p) for s, p in zip(batch, pcm, strict=True) if len(p)]
-        now = time.perf_counter()
+        now = self._clock()
         for stream, _ in pieces:
             if not stream.started:  # a first audio from the exact stream (a bridged one started at its bridge)
                 self._note_first_audio(stream, now)
@@ -439,7 +442,7 @@ class StreamDecoder:
         """First audio of the streams whose head is ready (with their own lookahead), and a further piece
         (`_piece_lookahead`) for each started stream with a new frame while `_keeps_bridging` says so."""
         by_lookahead: dict[int, list[DecodeStream]] = {}
-        now = time.perf_counter()
+        now = self._clock()
         for stream in self._streams:
             handle = stream.handle
             if handle is None or not stream.bridging:
@@ -456,7 +459,7 @@ class StreamDecoder:
             else:
                 stream.bridging = False
         for lookahead, group in by_lookahead.items():
-            t0 = time.perf_counter()
+            t0 = self._clock()
             try:
                 pcm = self.snac.bridge([s.handle for s in group], lookahead=lookahead,  # type: ignore[misc]
                                        crossfade=BRIDGE_CROSSFADE)
@@ -465,8 +468,8 @@ class StreamDecoder:
                 self._fail(group, exc)
                 continue
             finally:
-                self.stats.bridge_s += time.perf_counter() - t0
-            now = time.perf_counter()
+                self.stats.bridge_s += self._clock() - t0
+            now = self._clock()
             for stream in group:
                 if not stream.started:  # its first piece (a started one's next piece is counted already)
                     self._note_first_audio(stream, now)
