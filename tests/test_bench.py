@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,15 +16,17 @@ import torch
 from gateway.benchmarks import fast_start
 from gateway.benchmarks.corpus import SIZES, mixed
 from gateway.benchmarks.engine_level import START_FRAMES
+from gateway.benchmarks.models import ModelChoice, bench_models_file
 from gateway.benchmarks.report import markdown_table
 from gateway.benchmarks.run import run_scenarios
-from gateway.benchmarks.settings import parse_options
+from gateway.benchmarks.scenarios import lora_voices, span_language, traffic_voices
+from gateway.benchmarks.settings import build_parser, parse_options
 from gateway.benchmarks.timing import describe, simulate_playback, token_budget
 from gateway.benchmarks.webrtc_level import audio_frames, delivery_jitter_ms
 from gateway.config import GatewayConfig
 from gateway.devtools.client import OPUS_RATE, ReceivedFrame
 from gateway.speech.synthesizer import Synthesizer
-from tests.support import running
+from tests.support import running, tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LOUD, TAIL, QUIET = 3000.0, 25.0, 0.0
@@ -652,3 +655,106 @@ async def test_class_sim_cache_on_generates_each_scripted_line_once(synthesizer:
     assert on.hits_counted >= len([r for r in on.results if r.kind == "hit"])
     figures = class_sim.summary(on)
     assert figures["requests"] == 6 and 0 <= figures["real_time_students"] <= 3
+
+
+# --- several models on one engine process (issue 37): the benchmark's own table on two tiny engines ----------------
+
+MODEL_ARGS = ["--models", "2", "--lora-voice", "--lora-rank", "8", "--scenario", "traffic,lora,mixed-spans",
+              "--level", "engine", "--traffic", "75/25", "--traffic-users", "4", "--lora-users", "2",
+              "--mixed-spans-users", "1,2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1",
+              "--no-plots"]
+
+
+def _bench_models_config(model_dir: Path, snac_dir: Path, folder: Path) -> GatewayConfig:
+    """The table `--models 2 --lora-voice --lora-rank 8` builds (a rank-8 adapter of every projection, beside the
+    model), on the tiny model with the tests' engine settings and a small KV cache per engine."""
+    args = build_parser().parse_args(MODEL_ARGS)
+    choice = ModelChoice(str(model_dir), str(snac_dir), {}, 0.0, "tiny")
+    models_file = bench_models_file(args, choice, str(model_dir), folder)
+    assert models_file is not None
+    return tiny_config(model_dir, snac_dir, models_file=models_file, kv_cache_memory_gib=0.25)
+
+
+def test_bench_models_table_and_its_options(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path: Path) -> None:
+    """--models 2 serves the checkpoint twice (en, pt: one voice and language each, an even share of the GPU each)
+    with the LoRA voice on en, a random adapter of every attention and MLP projection (B zero where it writes the
+    residual stream); traffic splits give each model its share of the users; bad combinations are refused."""
+    from safetensors.torch import load_file
+
+    from gateway.devtools.devmodels import ALL_LORA_TARGETS
+
+    config = _bench_models_config(tiny_model_dir, tiny_snac_dir, tmp_path)
+    table = config.model_table
+    assert list(table.bases) == ["en", "pt"] and table.engine_of("tutor")[0] == "en"
+    assert [table.language_of(v) for v in ("tara", "ana", "tutor")] == ["en-US", "pt-BR", "en-US"]
+    assert config.for_model("pt").gpu_memory_utilization == pytest.approx(config.gpu_memory_utilization / 2)
+    adapter = Path(table.engine_of("tutor")[1].path)  # type: ignore[union-attr]
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == list(ALL_LORA_TARGETS)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 2 * len(ALL_LORA_TARGETS)  # A and B, 2 layers
+    assert not tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].any()
+    assert tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].any()
+    assert traffic_voices(table, "80/20", 5) == ["tara", "ana", "tara", "tara", "tara"]
+    assert traffic_voices(table, "50/50", 4).count("ana") == 2
+    assert span_language(table) == "pt-BR" and lora_voices(table) == ("tara", "tutor")
+    for argv, message in [(["--scenario", "mixed-spans"], "needs --models 2"),
+                          (["--scenario", "lora"], "needs --lora-voice"),
+                          (["--models", "2", "--traffic", "50/30/20"], r"one share per model \(2\)")]:
+        with pytest.raises(SystemExit, match=message):
+            parse_options(argv)
+    with pytest.raises(SystemExit):
+        parse_options(["--traffic", "60/50"])  # argparse: not summing to 100
+
+
+@pytest.fixture(scope="module")
+async def bench_models(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                       ) -> AsyncIterator[Synthesizer]:
+    synth = Synthesizer.load(_bench_models_config(tiny_model_dir, tiny_snac_dir, tmp_path_factory.mktemp("models")))
+    await synth.start()
+    yield synth
+    await synth.close()
+
+
+@pytest.mark.engine
+async def test_bench_models_traffic_lora_and_mixed_spans(bench_models: Synthesizer, tmp_path: Path,
+                                                         capsys: Any) -> None:
+    """The several-models scenarios end to end on two real tiny engines and a LoRA voice: each split's streams reach
+    their models in its shares, the LoRA point speaks the adapter's voice on its base's engine, each mixed-span
+    utterance crosses two span boundaries (its quote by the pt engine) and the stall check counts underruns there;
+    every prompt had its budget; each engine's KV cache is reported."""
+    synth = bench_models
+    before = {name: engine.requests_started for name, engine in synth.engines.items()}
+    options = parse_options([*MODEL_ARGS, "--out", str(tmp_path)])
+    run = await run_scenarios(synth, synth.config, options, MODEL_ARGS)
+
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert [(s["scenario"], s["variant"]) for s in saved["scenarios"]] == [
+        ("traffic", "75/25"), ("lora", "base"), ("lora", "lora"), ("mixed-spans", None)]
+    assert saved["unbudgeted_requests"] == 0
+    memory = saved["models"]["memory"]["engines"]
+    assert set(memory) == {"en", "pt"}
+    assert all(m["blocks"] > 0 and m["tokens"] == m["blocks"] * m["block_size"] and m["core_pids"]
+               for m in memory.values())
+    assert {v["name"]: v["model"] for v in saved["models"]["served"]} == {"tara": "en", "ana": "pt", "tutor": "en"}
+    by_entry = {(s["scenario"], s["variant"]): s["points"] for s in run["scenarios"]}
+    for points in by_entry.values():
+        for point in points:
+            summary = point["summary"]
+            assert summary["ok"] == summary["requests"] == point["users"], summary["errors"]
+    (traffic,) = by_entry[("traffic", "75/25")]
+    assert {voice: v["streams"] for voice, v in traffic["summary"]["by_voice"].items()} == {"tara": 3, "ana": 1}
+    for variant, voice in (("base", "tara"), ("lora", "tutor")):
+        (point,) = by_entry[("lora", variant)]
+        assert list(point["summary"]["by_voice"]) == [voice] and point["summary"]["by_voice"][voice]["ok"] == 2
+    one, two = by_entry[("mixed-spans", None)]
+    assert (one["users"], two["users"]) == (1, 2)
+    for point in (one, two):
+        spans = point["summary"]["span_boundaries"]
+        assert spans["boundaries"] == 2 * point["users"] and set(spans["underruns"]) == {"0", "500"}
+        assert all(r["boundaries"] == 2 and "boundary_stalls" in r["playback"]["0"] for r in point["requests"])
+    added = {name: engine.requests_started - before[name] for name, engine in synth.engines.items()}
+    # pt: traffic's one stream, and each mixed-span utterance's quote (1 + 2); en: the rest, sentence by sentence
+    assert added["pt"] == 1 + 3 and added["en"] > 3 + 2 + 2
+    tables = capsys.readouterr().out
+    assert "### traffic 75/25 (engine)" in tables and "real-time streams @500 ms" in tables and "tara " in tables
+    assert "boundary underruns @0 ms" in tables

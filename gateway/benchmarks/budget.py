@@ -4,8 +4,8 @@ A random-weight model with stop probability 0 never stops by itself: its audio l
 `max_tokens` allows, so a benchmark has to give each sentence a budget proportional to its length (see
 `gateway.benchmarks.timing.token_budget`). The WebRTC protocol has no `max_tokens` field, and the synthesizer passes one
 value for all sentences of an utterance, so the budget is applied where every request goes through: the
-engine's `generate`. `BudgetedEngine` wraps the shared `OrpheusEngine` and looks the prompt up in a table
-built from the corpus (`build_prompt` of every sentence the run will speak).
+engine's `generate`. `BudgetedEngine` wraps each served model's engine and looks the prompt up in a table
+built from the corpus (`build_prompt` of every sentence the run will speak, in every served voice).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 from gateway.benchmarks.timing import token_budget
 from gateway.model_table import LoraAdapter
-from gateway.orpheus import build_prompt, split_sentences
-from gateway.speech.synthesizer import Synthesizer
+from gateway.orpheus import build_prompt
+from gateway.speech.synthesizer import Synthesizer, VoicedSentence, voiced_sentences
 
 
 class BudgetedEngine:
@@ -49,27 +49,53 @@ class BudgetedEngine:
             yield ids
 
 
-def budget_table(synth: Synthesizer, texts: Iterable[str], voice: str, tokens_per_char: float
+def spoken_sentences(synth: Synthesizer, text: str, voice: str) -> list[tuple[str, str]]:
+    """(sentence, voice) of each sentence the synthesizer speaks for `text` in `voice`: split as it splits them,
+    each `<lang>` span by its language's voice, empty ones left out as it leaves them out."""
+    spoken: list[tuple[str, str]] = []
+    for item in voiced_sentences(synth.config, text, voice):
+        sentence, sentence_voice = (item.text, item.voice) if isinstance(item, VoicedSentence) else (item, voice)
+        if sentence.strip():
+            spoken.append((sentence.strip(), sentence_voice))
+    return spoken
+
+
+def prompt_of(synth: Synthesizer, voice: str, sentence: str) -> list[int]:
+    """The prompt ids the synthesizer sends for `sentence` in `voice` (its model's tokenizer)."""
+    model, _ = synth.table.engine_of(voice)
+    return list(build_prompt(synth.tokenizers[model], voice, sentence))
+
+
+def budget_table(synth: Synthesizer, texts: Iterable[str], voices: Iterable[str], tokens_per_char: float
                  ) -> dict[tuple[int, ...], int]:
-    """Prompt ids -> token budget for every sentence of `texts`, split as the gateway splits them."""
+    """Prompt ids -> token budget for every sentence of `texts` in each of `voices`, split as the gateway splits
+    them."""
     cap = synth.config.max_tokens
     table: dict[tuple[int, ...], int] = {}
     for text in texts:
-        for sentence in split_sentences(text, synth.config.max_sentence_chars):
-            budget = token_budget(len(sentence), tokens_per_char, cap)
-            if budget is not None:
-                table[tuple(build_prompt(synth.tokenizer, voice, sentence))] = budget
+        for voice in voices:
+            for sentence, sentence_voice in spoken_sentences(synth, text, voice):
+                budget = token_budget(len(sentence), tokens_per_char, cap)
+                if budget is not None:
+                    table[tuple(prompt_of(synth, sentence_voice, sentence))] = budget
     return table
 
 
 def budgeted(synth: Synthesizer, texts: Iterable[str], tokens_per_char: float, base_seed: int) -> Synthesizer:
-    """A second `Synthesizer` over the same engine, tokenizer and SNAC decoder, with budgets and seeds."""
-    voice = synth.config.voice
-    engine = BudgetedEngine(synth.engine, budget_table(synth, texts, voice, tokens_per_char), base_seed)
-    return Synthesizer(synth.config, engine, synth.tokenizer, synth.decoder)  # type: ignore[arg-type]
+    """A second `Synthesizer` over the same engines, tokenizers and SNAC decoder, with budgets and seeds."""
+    table = budget_table(synth, list(texts), synth.table.voices, tokens_per_char)
+    engines = {name: BudgetedEngine(engine, table, base_seed) for name, engine in synth.engines.items()}
+    first = engines[next(iter(synth.engines))]
+    return Synthesizer(synth.config, first, synth.tokenizer, synth.decoder,  # type: ignore[arg-type]
+                       engines=engines, tokenizers=synth.tokenizers)  # type: ignore[arg-type]
+
+
+def unbudgeted_requests(synth: Synthesizer) -> int:
+    """Engine requests of a `budgeted` synthesizer whose prompt had no budget (should be 0)."""
+    return sum(engine.unbudgeted for engine in synth.engines.values() if isinstance(engine, BudgetedEngine))
 
 
 def sentence_budgets(synth: Synthesizer, text: str, tokens_per_char: float) -> list[int | None]:
-    """The budget of each sentence of `text` (recorded with each request)."""
+    """The budget of each sentence of `text` in the default voice (recorded with each request)."""
     cap = synth.config.max_tokens
-    return [token_budget(len(s), tokens_per_char, cap) for s in split_sentences(text, synth.config.max_sentence_chars)]
+    return [token_budget(len(s), tokens_per_char, cap) for s, _ in spoken_sentences(synth, text, synth.config.voice)]

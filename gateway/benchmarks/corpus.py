@@ -115,6 +115,25 @@ def mixed(count: int, seed: int) -> list[Phrase]:
     return out
 
 
-def all_texts() -> list[str]:
-    """Every text a run can speak (the token budget table is built from these once)."""
-    return [p.text for p in (*CORPUS, MAX_USERS_PHRASE)]
+# `mixed-spans`: an English lesson line quoting the language being learnt, each quote a span of that language
+# (`<lang xml:lang="TAG">`, TAG the second model's), so each utterance crosses two span boundaries.
+_MIXED_SPAN_TEXTS = (
+    'The word for station is <lang xml:lang="{tag}">estação.</lang> Now say it after me, slowly.',
+    'Listen to the whole sentence: <lang xml:lang="{tag}">O trem sai da estação às nove horas.</lang> '
+    "Did you hear the word for train?",
+    'We say good morning as <lang xml:lang="{tag}">bom dia, tudo bem?</lang> and people answer with a smile.',
+    'Repeat the question <lang xml:lang="{tag}">Onde fica a biblioteca?</lang> It asks where the library is.',
+)
+MIXED_SPAN_SIZE = "mixed"
+
+
+def mixed_span_phrases(tag: str) -> list[Phrase]:
+    """The `mixed-spans` phrases, their quotes marked as language `tag` (BCP-47)."""
+    return [Phrase(text.format(tag=tag), f"en+{tag}", MIXED_SPAN_SIZE) for text in _MIXED_SPAN_TEXTS]
+
+
+def all_texts(span_language: str | None = None) -> list[str]:
+    """Every text a run can speak (the token budget table is built from these once); with `span_language`, the
+    mixed-span phrases too."""
+    spans = mixed_span_phrases(span_language) if span_language else []
+    return [p.text for p in (*CORPUS, MAX_USERS_PHRASE, *spans)]

@@ -2,7 +2,9 @@
 Bare level (`vllm`): the same phrases straight into the engine, no SNAC: the ceiling to compare with.
 
 Every audio chunk's arrival time and length are recorded; so are the first generated token and the first
-complete SNAC frame (7 audio tokens), which `TimedStats` notices as the synthesizer counts tokens.
+complete SNAC frame (7 audio tokens), which `TimedStats` notices as the synthesizer counts tokens. A request speaks
+in its voice (routed to that voice's model, or LoRA adapter); in mixed-language text, the chunks that begin a span of
+another voice are marked, so the stall check counts the underruns at span boundaries.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.benchmarks.budget import prompt_of, spoken_sentences
 from gateway.benchmarks.records import MS, PlannedRequest, RequestRecord, apply_arrivals, new_record
 from gateway.benchmarks.settings import BenchOptions
 from gateway.benchmarks.timing import FRAME_TOKENS
-from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME, build_prompt, split_sentences
+from gateway.orpheus import END_OF_SPEECH_ID, SAMPLE_RATE, SAMPLES_PER_FRAME
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 
 START_FRAMES = 16  # frames whose arrival times a record keeps (with --keep-arrivals)
@@ -74,20 +77,34 @@ async def _run_request(synth: Synthesizer, request: PlannedRequest, options: Ben
     stats = TimedStats(started=sent_at, listener_buffer_s=options.listener_buffer_ms / MS)  # deadlines count it
     record = new_record(request, stats.started - origin)
     arrivals: list[tuple[float, float]] = []
+    starts = span_starts(synth, request)
+    record.boundaries = len(starts) if starts else None
+    boundary_chunks: list[int] = []
     try:
-        await asyncio.wait_for(_collect(synth, request, stats, arrivals), options.request_timeout_s)
+        await asyncio.wait_for(_collect(synth, request, stats, arrivals, starts, boundary_chunks),
+                               options.request_timeout_s)
         record.ok = bool(arrivals)
         record.error = None if arrivals else "no_audio"
     except Exception as exc:  # one failed stream is a data point, not the end of the run
         record.error = f"{type(exc).__name__}: {exc}"
     _fill_engine_figures(record, stats, arrivals)
-    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals)
+    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals,
+                   boundary_chunks=boundary_chunks if starts else None)
     return record
 
 
+def span_starts(synth: Synthesizer, request: PlannedRequest) -> set[int]:
+    """The indexes of the sentences that begin a span of another voice than the sentence before (none for text
+    without `<lang>` spans)."""
+    voices = [voice for _, voice in spoken_sentences(synth, request.phrase.text, synth.resolve_voice(request.voice))]
+    return {k for k in range(1, len(voices)) if voices[k] != voices[k - 1]}
+
+
 async def _collect(synth: Synthesizer, request: PlannedRequest, stats: TimedStats,
-                   arrivals: list[tuple[float, float]]) -> None:
-    async for chunk in synth.utterance(request.phrase.text, None, stats=stats):
+                   arrivals: list[tuple[float, float]], starts: set[int], boundary_chunks: list[int]) -> None:
+    async for chunk in synth.utterance(request.phrase.text, request.voice, stats=stats):
+        if chunk.first_of_sentence and chunk.sentence_index in starts:
+            boundary_chunks.append(len(arrivals))
         arrivals.append((time.monotonic() - stats.started, len(chunk.pcm) / SAMPLE_RATE))
 
 
@@ -132,26 +149,34 @@ async def _run_request_bare(synth: Synthesizer, request: PlannedRequest, options
     stats = TimedStats(started=sent_at)
     record = new_record(request, stats.started - origin)
     arrivals: list[tuple[float, float]] = []
+    starts = span_starts(synth, request)
+    record.boundaries = len(starts) if starts else None
+    boundary_chunks: list[int] = []
     try:
-        await asyncio.wait_for(_generate_bare(synth, request, stats, arrivals), options.request_timeout_s)
+        await asyncio.wait_for(_generate_bare(synth, request, stats, arrivals, starts, boundary_chunks),
+                               options.request_timeout_s)
         record.ok = bool(arrivals)
         record.error = None if arrivals else "no_audio"
     except Exception as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     _fill_engine_figures(record, stats, arrivals)
     record.ttfa_ms = None  # set by apply_arrivals from the first whole frame
-    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals)
+    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals,
+                   boundary_chunks=boundary_chunks if starts else None)
     return record
 
 
 async def _generate_bare(synth: Synthesizer, request: PlannedRequest, stats: TimedStats,
-                         arrivals: list[tuple[float, float]]) -> None:
+                         arrivals: list[tuple[float, float]], starts: set[int], boundary_chunks: list[int]) -> None:
     frame_s = SAMPLES_PER_FRAME / SAMPLE_RATE
-    voice = synth.config.voice
-    for sentence in split_sentences(request.phrase.text, synth.config.max_sentence_chars):
-        prompt = build_prompt(synth.tokenizer, voice, sentence)
+    voice = synth.resolve_voice(request.voice)
+    for index, (sentence, sentence_voice) in enumerate(spoken_sentences(synth, request.phrase.text, voice)):
+        model, lora = synth.table.engine_of(sentence_voice)
+        prompt = prompt_of(synth, sentence_voice, sentence)
         sentence_tokens = 0
-        async for ids in synth.engine.generate(prompt):
+        if index in starts:
+            boundary_chunks.append(len(arrivals))  # the sentence's first frame, whenever it comes
+        async for ids in synth.engines[model].generate(prompt, lora=lora):
             now = time.monotonic()
             if stats.first_token_at is None:
                 stats.first_token_at = now

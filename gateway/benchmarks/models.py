@@ -1,7 +1,8 @@
 """Which model a run uses: the real checkpoints, the tiny test model, or a random Orpheus-3B-shaped one.
 
-Also the engine settings each choice implies (only where the command line did not set them) and the model's
-shape for the report.
+Also the engine settings each choice implies (only where the command line did not set them), the model table of
+`--models 2` / `--lora-voice` (a models file: the same checkpoint under a second name and language, a LoRA adapter
+voice built if absent), and the model's shape for the report.
 """
 
 from __future__ import annotations
@@ -73,12 +74,65 @@ def _random_orpheus(root: Path) -> ModelChoice:
     return ModelChoice(str(root), str(snac), {}, ORPHEUS_TOKENS_PER_CHAR, "random-orpheus")
 
 
-def engine_config(args: argparse.Namespace, choice: ModelChoice) -> GatewayConfig:
-    """The GatewayConfig: the model choice's defaults, overridden by any engine flag given."""
-    implied = {**choice.engine_defaults, "model": choice.model, "snac_model": choice.snac_model}
+def engine_config(args: argparse.Namespace, choice: ModelChoice, models_file: str | None = None) -> GatewayConfig:
+    """The GatewayConfig: the model choice's defaults, overridden by any engine flag given; `models_file` (the
+    benchmark's own table, `bench_models_file`) serves several models."""
+    implied = {**choice.engine_defaults, "model": choice.model, "snac_model": choice.snac_model,
+               "models_file": models_file}
     overrides = {key: value for key, value in implied.items()
                  if value is not None and getattr(args, key, None) is None}
     return from_sources(args, env={}, **overrides)
+
+
+# The benchmark's table: each model one voice and language (the voice routes a stream to its model), and the LoRA
+# voice on the first model.
+BENCH_MODELS = (("en", "tara", "en-US"), ("pt", "ana", "pt-BR"))
+BENCH_LORA_VOICE = "tutor"
+
+
+def bench_models_file(args: argparse.Namespace, choice: ModelChoice, model: str, folder: Path) -> str | None:
+    """A models file for `--models 2` and/or `--lora-voice` (None: neither, today's one model): `model` served under
+    each name of BENCH_MODELS (a second engine of the same checkpoint speaking a second language, each with its
+    even share of the GPU memory), the adapter (`--lora-voice DIR`, built there if absent; no DIR: beside a
+    tiny/random model) on the first."""
+    if args.models <= 1 and args.lora_voice is None:
+        return None
+    if getattr(args, "models_file", None) or "=" in str(getattr(args, "model", None) or ""):
+        raise ValueError("--models/--lora-voice build the benchmark's own table: drop --models-file/--model NAME=PATH")
+    lines = []
+    for name, voice, language in BENCH_MODELS[:args.models]:
+        lines += [f"[models.{name}]", f"path = {json.dumps(model)}", f'voices = ["{voice}"]',
+                  f'languages = ["{language}"]', ""]
+    if args.lora_voice is not None:
+        adapter = lora_adapter(args.lora_voice, choice, model, args.lora_rank)
+        lines += [f"[loras.{BENCH_LORA_VOICE}]", f"path = {json.dumps(str(adapter))}",
+                  f'base = "{BENCH_MODELS[0][0]}"', f'voices = ["{BENCH_LORA_VOICE}"]', ""]
+    path = folder / "models.toml"
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
+def lora_adapter(given: str, choice: ModelChoice, model: str, rank: int) -> Path:
+    """The adapter directory of `--lora-voice`: a PEFT adapter there, built (random weights, every attention and MLP
+    projection, rank `rank`) where none is."""
+    import torch
+
+    from gateway.devtools.devmodels import ALL_LORA_TARGETS, build_test_lora
+
+    if given:
+        folder = Path(given)
+    elif choice.kind in ("tiny", "random-orpheus"):
+        folder = Path(model).parent / f"{Path(model).name}-lora-r{rank}"
+    else:
+        raise ValueError("--lora-voice needs ADAPTER_DIR with a checkpoint (a random adapter is built beside "
+                         "--tiny/--random-orpheus models only)")
+    if not (folder / "adapter_config.json").exists():
+        shape = "tiny" if choice.kind == "tiny" else RANDOM_SHAPE
+        dtype = torch.float32 if shape == "tiny" else torch.bfloat16
+        print(f"building a random rank-{rank} LoRA adapter ({shape}) in {folder} ...", flush=True)
+        build_test_lora(folder, shape, rank=rank, targets=ALL_LORA_TARGETS, dtype=dtype)
+    return folder
+
 
 
 def model_shape(model: str) -> dict[str, Any] | None:
@@ -116,4 +170,3 @@ def tiny_fixed_length_config(root: Path, max_num_seqs: int, **overrides: Any) ->
                               "max_tokens": TINY_MAX_TOKENS, "gc_freeze": False, "host": "127.0.0.1", "port": 0}
     values.update(overrides)
     return from_sources(env={}, model=str(model), snac_model=str(build_test_snac(root / "snac")), **values)
-

@@ -66,7 +66,7 @@ def _plot_realtime(ax: Any, points: Sequence[dict[str, Any]], buffers_ms: Sequen
 
 
 def plot_scenario(scenario: str, level: str, points: Sequence[dict[str, Any]], buffers_ms: Sequence[int],
-                  path: Path) -> Path:
+                  path: Path, variant: str | None = None) -> Path:
     info = SCENARIO_INFO[scenario]
     fig, (left, right) = plt.subplots(1, 2, figsize=FIGURE_SIZE)
     _plot_latency(left, points)
@@ -76,7 +76,7 @@ def plot_scenario(scenario: str, level: str, points: Sequence[dict[str, Any]], b
         ax.set_xlabel(info.axis)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    fig.suptitle(f"{scenario} ({level})")
+    fig.suptitle(f"{scenario}{'' if variant is None else ' ' + variant} ({level})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)

@@ -6,7 +6,7 @@ sent, seconds of audio)`: SNAC chunks at the engine level, received 20 ms audibl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ class PlannedRequest:
     user: int
     index: int  # position in the user's sequence of phrases
     phrase: Phrase
+    voice: str | None = None  # None: the gateway's default voice
 
     @property
     def request_id(self) -> str:
@@ -39,6 +40,8 @@ class RequestRecord:
     size: str
     chars: int
     sent_at_s: float  # when it was sent, after the point started
+    voice: str | None = None  # the voice asked for (None: the default)
+    boundaries: int | None = None  # engine levels, mixed-language text: sentences starting a span of another voice
     ok: bool = False
     error: str | None = None
     ttft_ms: float | None = None  # engine level only
@@ -68,14 +71,17 @@ class RequestRecord:
 def new_record(request: PlannedRequest, sent_at_s: float) -> RequestRecord:
     phrase = request.phrase
     return RequestRecord(user=request.user, index=request.index, lang=phrase.lang, size=phrase.size,
-                         chars=phrase.chars, sent_at_s=round(sent_at_s, 4))
+                         chars=phrase.chars, sent_at_s=round(sent_at_s, 4), voice=request.voice)
 
 
 def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]], buffers_ms: Sequence[int],
-                   tolerance_ms: float, keep: bool, held_ms: int = 0) -> None:
+                   tolerance_ms: float, keep: bool, held_ms: int = 0,
+                   boundary_chunks: Collection[int] | None = None) -> None:
     """Fill the audio figures of `record` from its arrivals (seconds after sending, seconds of audio). The stall
     view of buffer b is a listener holding b ms in all, of which `held_ms` were held before these arrivals (the
-    server's jitter buffer, for frames received over WebRTC): the arrivals are played with b - held_ms more."""
+    server's jitter buffer, for frames received over WebRTC): the arrivals are played with b - held_ms more.
+    `boundary_chunks`: the indexes of the arrivals that begin a span of another voice (mixed-language text); each
+    view then counts the stalls that waited for one (`boundary_stalls`)."""
     record.chunks = len(arrivals)
     record.audio_s = round(sum(d for _, d in arrivals), 4)
     if arrivals:
@@ -90,6 +96,8 @@ def apply_arrivals(record: RequestRecord, arrivals: Sequence[tuple[float, float]
             "max_late_ms": round(played.max_late_s * MS, 2)}
         if played.first_stall_at_s is not None:  # after sending, as the arrivals
             record.playback[str(buffer_ms)]["first_stall_ms"] = round(played.first_stall_at_s * MS, 2)
+        if boundary_chunks is not None:
+            record.playback[str(buffer_ms)]["boundary_stalls"] = len(set(played.stalled_chunks) & set(boundary_chunks))
     if record.done_ms is not None and record.audio_s > 0:
         record.rtf = round(record.done_ms / MS / record.audio_s, 4)
     if keep:
@@ -149,7 +157,32 @@ def summarize(records: Sequence[RequestRecord], users: int, buffers_ms: Sequence
     servers = [r.server for r in ok if r.server]
     if servers:
         summary["server"] = _server_summary(servers)
+    if any(r.voice for r in records):
+        summary["by_voice"] = by_voice(records, buffers_ms)
+    spanned = [r for r in records if r.boundaries is not None]
+    if spanned:
+        summary["span_boundaries"] = {
+            "boundaries": sum(r.boundaries or 0 for r in spanned),
+            "underruns": {str(b): sum(r.playback[str(b)].get("boundary_stalls", 0) for r in spanned if r.ok)
+                          for b in buffers_ms},
+            "streams_with_boundary_underruns": {
+                str(b): sum(1 for r in spanned if r.ok and r.playback[str(b)].get("boundary_stalls", 0) > 0)
+                for b in buffers_ms}}
     return summary
+
+
+def by_voice(records: Sequence[RequestRecord], buffers_ms: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """Per voice asked for (a voice names its model, or its LoRA adapter): streams, audio, and the streams that
+    played without a stall in each view (`realtime_streams`)."""
+    voices: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        voices.setdefault(r.voice or "", []).append(r)
+    return {voice: {
+        "streams": len(group), "ok": sum(1 for r in group if r.ok),
+        "audio_s": round(sum(r.audio_s for r in group if r.ok), 3),
+        "realtime_streams": {str(b): sum(1 for r in group if r.ok and not r.playback[str(b)]["stalled"])
+                             for b in buffers_ms}}
+        for voice, group in voices.items()}
 
 
 def _playback_summary(records: Sequence[RequestRecord], buffer_key: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.benchmarks.scenarios import SCENARIO_INFO
-from gateway.benchmarks.settings import MAX_USERS, STREAMING, STRESS, TTFA
+from gateway.benchmarks.settings import LORA, MAX_USERS, MIXED_SPANS, STREAMING, STRESS, TRAFFIC, TTFA
 
 Getter = Callable[[dict[str, Any]], Any]
 Column = tuple[str, Getter]
@@ -99,6 +99,24 @@ def _audio_per_stream(summary: dict[str, Any]) -> str:
     return f"{summary['audio_s'] / summary['requests']:.1f}" if summary.get("requests") else MISSING
 
 
+def _realtime_by_voice(buffer_ms: int) -> Callable[[dict[str, Any]], str]:
+    """Streams that played without a stall in this view, per voice asked for (each names its model or adapter)."""
+    def cell(summary: dict[str, Any]) -> str:
+        voices = summary.get("by_voice") or {}
+        return MISSING if not voices else " · ".join(
+            f"{voice or 'default'} {v['realtime_streams'].get(str(buffer_ms), 0)}/{v['streams']}"
+            for voice, v in voices.items())
+    return cell
+
+
+def _boundary_underruns(buffer_ms: int) -> Callable[[dict[str, Any]], str]:
+    """Stalls that waited for the first audio of a span of another voice, of the span boundaries spoken."""
+    def cell(summary: dict[str, Any]) -> str:
+        spans = summary.get("span_boundaries")
+        return MISSING if spans is None else f"{spans['underruns'].get(str(buffer_ms), 0)}/{spans['boundaries']}"
+    return cell
+
+
 def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]:
     """The table of each scenario: the seed's columns first, then the stall check."""
     n: Column = (axis, lambda s: str(s["users"]))
@@ -131,6 +149,16 @@ def columns(scenario: str, axis: str, buffers_ms: Sequence[int]) -> list[Column]
                 *[(f"stall moments @{b} ms", _stall_moments(b)) for b in buffers_ms[:1]], underruns,
                 ("server late frames", _late_frames), ("delivery jitter p95 ms", _ms("delivery_jitter_ms", "p95")),
                 endings]
+    if scenario in (TRAFFIC, LORA):
+        return [n, ("streams", lambda s: str(s["requests"])), ("success", _success),
+                ("audio s/stream", _audio_per_stream), ("RTF max", _fixed(2, "stream_rtf", "max")),
+                ("TTFA p50 ms", _ms("ttfa_ms", "p50")), ("TTFA p95 ms", _ms("ttfa_ms", "p95")),
+                *[(f"real-time streams @{b} ms", _realtime_by_voice(b)) for b in buffers_ms],
+                *[(f"real-time users @{b} ms", _realtime_users(b)) for b in buffers_ms]]
+    if scenario == MIXED_SPANS:
+        return [n, ("success", _success), ("audio s/stream", _audio_per_stream),
+                ("TTFA p95 ms", _ms("ttfa_ms", "p95")), ("max gap ms", _ms("max_gap_ms")),
+                *[(f"boundary underruns @{b} ms", _boundary_underruns(b)) for b in buffers_ms], *stalls]
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
@@ -190,16 +218,19 @@ def _render(title: str, cols: Sequence[Column], rows_from: Sequence[dict[str, An
     return "\n".join(lines)
 
 
-def markdown_table(scenario: str, level: str, points: Sequence[dict[str, Any]], buffers_ms: Sequence[int]) -> str:
-    """One scenario at one level, with the seed's columns."""
+def markdown_table(scenario: str, level: str, points: Sequence[dict[str, Any]], buffers_ms: Sequence[int],
+                   variant: str | None = None) -> str:
+    """One scenario (and variant: a traffic split, the base or LoRA voice) at one level, with the seed's columns."""
     info = SCENARIO_INFO[scenario]
-    return _render(f"### {scenario} ({level}): {info.title}", columns(scenario, info.axis, buffers_ms),
+    label = scenario if variant is None else f"{scenario} {variant}"
+    return _render(f"### {label} ({level}): {info.title}", columns(scenario, info.axis, buffers_ms),
                    [p["summary"] for p in points])
 
 
-def pipeline_table(scenario: str, level: str, points: Sequence[dict[str, Any]]) -> str:
+def pipeline_table(scenario: str, level: str, points: Sequence[dict[str, Any]], variant: str | None = None) -> str:
     info = SCENARIO_INFO[scenario]
-    return _render(f"#### {scenario} ({level}): where the time went", pipeline_columns(info.axis), points)
+    label = scenario if variant is None else f"{scenario} {variant}"
+    return _render(f"#### {label} ({level}): where the time went", pipeline_columns(info.axis), points)
 
 
 def write_json(run: dict[str, Any], out_dir: Path) -> Path:

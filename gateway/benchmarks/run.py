@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
@@ -19,17 +20,26 @@ from pathlib import Path
 from typing import Any
 
 from gateway.benchmarks import engine_level, webrtc_level
-from gateway.benchmarks.budget import BudgetedEngine, budgeted, sentence_budgets
+from gateway.benchmarks.budget import budgeted, sentence_budgets, unbudgeted_requests
 from gateway.benchmarks.client_pool import ClientPool
 from gateway.benchmarks.corpus import MAX_USERS_PHRASE, all_texts
+from gateway.benchmarks.engine_memory import engine_memory
 from gateway.benchmarks.gateway_procs import GatewayWatch
 from gateway.benchmarks.machine import machine_info
-from gateway.benchmarks.models import chosen_model, engine_config, model_shape
+from gateway.benchmarks.models import bench_models_file, chosen_model, engine_config, model_shape
 from gateway.benchmarks.probes import PointProbe
 from gateway.benchmarks.records import PlannedRequest, RequestRecord, summarize
 from gateway.benchmarks.report import markdown_table, pipeline_table, write_json
-from gateway.benchmarks.scenarios import Workload, sweep, workload
-from gateway.benchmarks.settings import BARE, ENGINE, WEBRTC, BenchOptions, build_parser, options_from_args
+from gateway.benchmarks.scenarios import Workload, span_language, sweep, variants, workload
+from gateway.benchmarks.settings import (
+    BARE,
+    ENGINE,
+    MIXED_SPANS,
+    WEBRTC,
+    BenchOptions,
+    build_parser,
+    options_from_args,
+)
 from gateway.config import GatewayConfig
 from gateway.speech.synthesizer import Synthesizer
 
@@ -49,26 +59,28 @@ async def run_scenarios(synth: Synthesizer, config: GatewayConfig, options: Benc
                         argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Every scenario at every level; returns the run (also written to `<out>/bench.json`)."""
     out_dir = options.out_dir or RESULTS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
-    bench_synth = budgeted(synth, all_texts(), options.tokens_per_char, options.bench_seed)
-    run = _new_run(config, options, argv, bench_synth)
+    texts = all_texts(span_language(synth.table) if MIXED_SPANS in options.scenarios else None)
+    bench_synth = budgeted(synth, texts, options.tokens_per_char, options.bench_seed)
+    run = _new_run(config, options, argv, bench_synth, texts)
+    run["models"] = {"served": synth.table.listing(), "memory": engine_memory(synth)}
     await _warm_up(bench_synth, options)
     for level in options.levels:
         async with _point_runner(level, config, bench_synth, options) as (runner, client_pids):
             for scenario in options.scenarios:
-                entry: dict[str, Any] = {"scenario": scenario, "level": level, "points": []}
-                run["scenarios"].append(entry)
-                # The JSON is rewritten after every point: a run cut short keeps what it measured.
-                await _run_scenario(entry, runner, synth, options, out_dir, client_pids,
-                                    on_point=lambda: write_json(run, out_dir))
-    assert isinstance(bench_synth.engine, BudgetedEngine)
-    run["unbudgeted_requests"] = bench_synth.engine.unbudgeted
+                for variant in variants(scenario, options, synth.table):
+                    entry: dict[str, Any] = {"scenario": scenario, "variant": variant, "level": level, "points": []}
+                    run["scenarios"].append(entry)
+                    # The JSON is rewritten after every point: a run cut short keeps what it measured.
+                    await _run_scenario(entry, runner, synth, options, out_dir, client_pids,
+                                        on_point=lambda: write_json(run, out_dir))
+    run["unbudgeted_requests"] = unbudgeted_requests(bench_synth)
     run["finished"] = _now()
     run["json"] = str(write_json(run, out_dir))
     return run
 
 
 def _new_run(config: GatewayConfig, options: BenchOptions, argv: Sequence[str] | None,
-             bench_synth: Synthesizer) -> dict[str, Any]:
+             bench_synth: Synthesizer, texts: Sequence[str]) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "started": _now(),
@@ -77,7 +89,7 @@ def _new_run(config: GatewayConfig, options: BenchOptions, argv: Sequence[str] |
         "model": {"model": config.model, "snac_model": config.snac_model, "shape": model_shape(config.model)},
         "engine": dataclasses.asdict(config),
         "options": dataclasses.asdict(options),
-        "budgets": {text: sentence_budgets(bench_synth, text, options.tokens_per_char) for text in all_texts()},
+        "budgets": {text: sentence_budgets(bench_synth, text, options.tokens_per_char) for text in texts},
         "scenarios": [],
     }
 
@@ -138,26 +150,30 @@ async def run_external(options: BenchOptions, argv: Sequence[str] | None = None)
 
 async def _run_scenario(entry: dict[str, Any], runner: PointRunner, synth: Synthesizer | None, options: BenchOptions,
                         out_dir: Path, client_pids: Sequence[int], on_point: Callable[[], object]) -> None:
-    """Fill `entry` (scenario, level, points) point by point, then print its tables and draw its plot."""
+    """Fill `entry` (scenario, variant, level, points) point by point, then print its tables and draw its plot."""
     scenario, level, points = entry["scenario"], entry["level"], entry["points"]
+    variant: str | None = entry.get("variant")
+    label = scenario if variant is None else f"{scenario} {variant}"
+    table = synth.table if synth is not None else None
     for users in sweep(scenario, options):
         started = time.monotonic()
-        points.append(await _measure_point(runner, workload(scenario, users, options), users, synth, options,
-                                           client_pids))
+        points.append(await _measure_point(runner, workload(scenario, users, options, variant, table), users, synth,
+                                           options, client_pids))
         on_point()
-        print(f"[bench] {scenario} ({level}) {users}: {time.monotonic() - started:.1f} s", file=sys.stderr)
+        print(f"[bench] {label} ({level}) {users}: {time.monotonic() - started:.1f} s", file=sys.stderr)
         await asyncio.sleep(options.cooldown_s)
     if options.print_tables:
-        print(markdown_table(scenario, level, points, options.buffers_ms) + "\n", flush=True)
-        print(pipeline_table(scenario, level, points) + "\n", flush=True)
+        print(markdown_table(scenario, level, points, options.buffers_ms, variant) + "\n", flush=True)
+        print(pipeline_table(scenario, level, points, variant) + "\n", flush=True)
     if options.plots:
         try:  # matplotlib is optional: the benchmarks' extra
             from gateway.benchmarks.plots import plot_scenario
         except ModuleNotFoundError:
             print(PLOTS_MISSING, file=sys.stderr)
         else:
+            name = scenario if variant is None else f"{scenario}-{variant.replace('/', '-')}"
             entry["plot"] = str(plot_scenario(scenario, level, points, options.buffers_ms,
-                                              out_dir / f"{scenario}-{level}.png"))
+                                              out_dir / f"{name}-{level}.png", variant))
 
 
 async def _measure_point(runner: PointRunner, planned: Workload, users: int, synth: Synthesizer | None,
@@ -203,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         run = asyncio.run(run_external(options, argv))
         print(f"[bench] wrote {run['json']}", file=sys.stderr)
         return 0
-    with chosen_model(args) as choice:
+    with chosen_model(args) as choice, tempfile.TemporaryDirectory(prefix="orpheus-bench-models-") as folder:
         try:
-            config = engine_config(args, choice)
+            models_file = bench_models_file(args, choice, engine_config(args, choice).model, Path(folder))
+            config = engine_config(args, choice, models_file=models_file)
         except ValueError as exc:  # a bad engine setting: one line, not a traceback
             print(f"bench: error: {exc}", file=sys.stderr)
             return 2

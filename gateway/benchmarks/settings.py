@@ -26,6 +26,12 @@ TTFA = "ttfa"
 MAX_USERS = "max-users"
 STREAMING = "streaming"
 SCENARIOS = (STRESS, TTFA, MAX_USERS, STREAMING)
+# Several models on one GPU (issue 37; not in `all`): each needs its own table (`--models`, `--lora-voice`).
+TRAFFIC = "traffic"  # N streams split between the served models by --traffic shares (one model: all on it)
+LORA = "lora"  # N streams on a base voice, then N on a LoRA voice of that base
+MIXED_SPANS = "mixed-spans"  # utterances with spans of two languages (two models): underruns at span boundaries
+MODEL_SCENARIOS = (TRAFFIC, LORA, MIXED_SPANS)
+KNOWN_SCENARIOS = (*SCENARIOS, *MODEL_SCENARIOS)
 
 # The seed's sweeps (its table in docs/benchmarks.md), to compare with it.
 GPU_SWEEPS: dict[str, list[int]] = {
@@ -33,6 +39,9 @@ GPU_SWEEPS: dict[str, list[int]] = {
     TTFA: [1, 4, 8, 12, 16],
     MAX_USERS: [32, 64, 128, 200, 256],
     STREAMING: [32, 64, 100, 128, 200, 256],
+    TRAFFIC: [128, 256],
+    LORA: [128, 256],
+    MIXED_SPANS: [1, 64],
 }
 # Smoke counts for a 2-core CPU and the tiny model.
 QUICK_SWEEPS: dict[str, list[int]] = {
@@ -40,6 +49,9 @@ QUICK_SWEEPS: dict[str, list[int]] = {
     TTFA: [1, 2],
     MAX_USERS: [4, 8],
     STREAMING: [2, 4],
+    TRAFFIC: [2],
+    LORA: [2],
+    MIXED_SPANS: [1, 2],
 }
 # --quick also shortens the audio of random-weight models (their length is the budget): ~1.3 s per medium phrase.
 QUICK_TOKENS_PER_CHAR = 1.5
@@ -48,6 +60,11 @@ DEFAULT_STALL_TOLERANCE_MS = 10.0  # half a 20 ms frame: receive-side scheduling
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_COOLDOWN_S = 1.0  # between points: let aborted requests and the SNAC queue drain
 DEFAULT_CONNECT_CONCURRENCY = 16
+DEFAULT_TRAFFIC = [[50, 50], [80, 20]]  # percent of the streams on each served model, in table order
+DEFAULT_LORA_RANK = 32
+SWEEP_FLAGS = {STRESS: "stress_concurrency", TTFA: "ttfa_concurrency", MAX_USERS: "max_users",
+               STREAMING: "streaming_users", TRAFFIC: "traffic_users", LORA: "lora_users",
+               MIXED_SPANS: "mixed_spans_users"}
 
 
 @dataclass
@@ -58,6 +75,13 @@ class BenchOptions:
     ttfa_concurrency: list[int] = field(default_factory=lambda: list(GPU_SWEEPS[TTFA]))
     max_users: list[int] = field(default_factory=lambda: list(GPU_SWEEPS[MAX_USERS]))
     streaming_users: list[int] = field(default_factory=lambda: list(GPU_SWEEPS[STREAMING]))
+    traffic_users: list[int] = field(default_factory=lambda: list(GPU_SWEEPS[TRAFFIC]))
+    lora_users: list[int] = field(default_factory=lambda: list(GPU_SWEEPS[LORA]))
+    mixed_spans_users: list[int] = field(default_factory=lambda: list(GPU_SWEEPS[MIXED_SPANS]))
+    models: int = 1  # models served at once (the CLI's table; run_scenarios takes the synthesizer's)
+    traffic: list[list[int]] = field(default_factory=lambda: [list(s) for s in DEFAULT_TRAFFIC])
+    lora_voice: str | None = None  # a LoRA adapter voice on the first model ("": a random one built for the run)
+    lora_rank: int = DEFAULT_LORA_RANK
     phrases_per_user: int = 1
     buffers_ms: list[int] = field(default_factory=lambda: list(DEFAULT_BUFFERS_MS))
     listener_buffer_ms: int = 0  # what the gateway is told the listener holds (see `--listener-buffer-ms`)
@@ -102,10 +126,27 @@ def _scenario_list(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     if names == [ALL]:
         return list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    unknown = [n for n in names if n not in KNOWN_SCENARIOS]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown scenario(s) {unknown}; choose from {[*SCENARIOS, ALL]}")
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {unknown}; choose from {[*KNOWN_SCENARIOS, ALL]}")
     return names
+
+
+def _traffic_list(text: str) -> list[list[int]]:
+    """`50/50,80/20` -> [[50, 50], [80, 20]]: each split's percentages, summing to 100."""
+    splits: list[list[int]] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            shares = [int(share) for share in part.split("/")]
+        except ValueError:
+            shares = []
+        if len(shares) < 2 or min(shares) < 0 or sum(shares) != 100:
+            raise argparse.ArgumentTypeError(f"traffic split {part!r} is not percentages per model summing to 100, "
+                                             "e.g. 50/50 or 80/20")
+        splits.append(shares)
+    if not splits:
+        raise argparse.ArgumentTypeError(f"expected traffic splits such as 50/50,80/20, got {text!r}")
+    return splits
 
 
 def _level_list(text: str) -> list[str]:
@@ -137,12 +178,26 @@ def _add_bench_arguments(group: Any) -> None:
                             "engine (Synthesizer in-process), webrtc (gateway + headless peers); "
                             "both = engine,webrtc [default: engine]")
     group.add_argument("--quick", action="store_true", help=f"tiny sweeps for a CPU smoke run: {QUICK_SWEEPS}")
-    for name in SCENARIOS:
-        flag = {MAX_USERS: "--max-users", STREAMING: "--streaming-users"}.get(name, f"--{name}-concurrency")
+    for name in KNOWN_SCENARIOS:
+        flag = "--" + SWEEP_FLAGS[name].replace("_", "-")
         group.add_argument(flag, type=_int_list, default=None, metavar="N,N,...",
                            help=f"points of the {name} sweep [default: {_csv(GPU_SWEEPS[name])}; "
                                 f"--quick: {_csv(QUICK_SWEEPS[name])}]")
-    group.add_argument("--phrases-per-user", type=int, default=1, help="streaming: phrases each user speaks in turn")
+    group.add_argument("--phrases-per-user", type=int, default=1,
+                       help="streaming, traffic, lora: phrases each user speaks in turn")
+    group.add_argument("--models", type=int, default=1, choices=(1, 2),
+                       help="models served at once, each its own engine with an even share of the GPU memory (the "
+                            "same checkpoint under a second name, speaking pt-BR: a second language for "
+                            f"{MIXED_SPANS}) [default: 1]")
+    group.add_argument("--traffic", type=_traffic_list, default=[list(s) for s in DEFAULT_TRAFFIC],
+                       metavar="P/P,...", help=f"{TRAFFIC}: the streams' shares per model, one point per split "
+                                           "(one model: all on it) [default: 50/50,80/20]")
+    group.add_argument("--lora-voice", nargs="?", const="", default=None, metavar="ADAPTER_DIR",
+                       help=f"serve a LoRA adapter voice on the first model ({LORA}): a PEFT adapter directory, "
+                            "built there if absent; no value: a random adapter (rank --lora-rank, every attention "
+                            "and MLP projection) beside a --tiny/--random-orpheus model")
+    group.add_argument("--lora-rank", type=int, default=DEFAULT_LORA_RANK,
+                       help=f"rank of the random adapter --lora-voice builds [default: {DEFAULT_LORA_RANK}]")
     group.add_argument("--buffers-ms", type=_int_list, default=list(DEFAULT_BUFFERS_MS), metavar="MS,MS,...",
                        help=f"client buffers of the stall check [default: {_csv(DEFAULT_BUFFERS_MS)}]")
     group.add_argument("--listener-buffer-ms", type=_milliseconds, default=0, metavar="MS",
@@ -220,17 +275,35 @@ def listened_buffers(buffers_ms: list[int], listener_buffer_ms: int) -> list[int
     return kept
 
 
+def _check_model_scenarios(args: argparse.Namespace) -> None:
+    """The scenarios of several models need the table they measure (the CLI builds it from these flags)."""
+    if args.gateway_url and set(args.scenario) & set(MODEL_SCENARIOS):
+        raise SystemExit(f"--gateway-url runs the seed's scenarios only, not {sorted(MODEL_SCENARIOS)}")
+    if MIXED_SPANS in args.scenario and args.models < 2:
+        raise SystemExit(f"--scenario {MIXED_SPANS} needs --models 2 (a second language's model)")
+    if LORA in args.scenario and args.lora_voice is None:
+        raise SystemExit(f"--scenario {LORA} needs --lora-voice")
+    if args.models > 1 and any(len(split) != args.models for split in args.traffic):
+        raise SystemExit(f"--traffic: each split needs one share per model ({args.models}), got "
+                         f"{['/'.join(map(str, split)) for split in args.traffic]}")
+    if not 1 <= args.lora_rank <= 512:
+        raise SystemExit("--lora-rank must be within 1..512")
+
+
 def options_from_args(args: argparse.Namespace, default_tokens_per_char: float) -> BenchOptions:
     """`default_tokens_per_char`: the model's budget rule (0 for a trained model, which stops by itself)."""
     sweeps = QUICK_SWEEPS if args.quick else GPU_SWEEPS
-    given = {STRESS: args.stress_concurrency, TTFA: args.ttfa_concurrency, MAX_USERS: args.max_users,
-             STREAMING: args.streaming_users}
-    chosen = {name: list(value if value is not None else sweeps[name]) for name, value in given.items()}
+    chosen = {name: list(getattr(args, attr) if getattr(args, attr) is not None else sweeps[name])
+              for name, attr in SWEEP_FLAGS.items()}
+    _check_model_scenarios(args)
     return BenchOptions(
         scenarios=args.scenario,
         levels=args.level,
-        stress_concurrency=chosen[STRESS], ttfa_concurrency=chosen[TTFA], max_users=chosen[MAX_USERS],
-        streaming_users=chosen[STREAMING],
+        **{SWEEP_FLAGS[name]: points for name, points in chosen.items()},
+        models=args.models,
+        traffic=args.traffic,
+        lora_voice=args.lora_voice,
+        lora_rank=args.lora_rank,
         phrases_per_user=args.phrases_per_user,
         buffers_ms=listened_buffers(args.buffers_ms, args.listener_buffer_ms),
         listener_buffer_ms=args.listener_buffer_ms,

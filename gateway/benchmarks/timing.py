@@ -46,6 +46,7 @@ class Playback:
     stall_s: float  # total waiting
     max_late_s: float  # worst lateness of a chunk against the schedule without stalls (0 if never late)
     first_stall_at_s: float | None = None  # arrival time of the chunk the first stall waited for (None: no stall)
+    stalled_chunks: tuple[int, ...] = ()  # the index of each chunk a stall waited for
 
     @property
     def stalled(self) -> bool:
@@ -66,17 +67,19 @@ def simulate_playback(arrivals: Sequence[tuple[float, float]], buffer_s: float, 
     fixed = start  # playout time of the next chunk on the schedule without stalls
     stalls, stall_s, max_late = 0, 0.0, 0.0
     first_stall_at: float | None = None
-    for arrived, duration in arrivals:
+    stalled: list[int] = []
+    for index, (arrived, duration) in enumerate(arrivals):
         max_late = max(max_late, arrived - fixed)
         if arrived > clock + tolerance_s:
             if first_stall_at is None:
                 first_stall_at = arrived
+            stalled.append(index)
             stalls += 1
             stall_s += arrived - clock
             clock = arrived
         clock += duration
         fixed += duration
-    return Playback(buffer_s, stalls, stall_s, max(0.0, max_late), first_stall_at)
+    return Playback(buffer_s, stalls, stall_s, max(0.0, max_late), first_stall_at, tuple(stalled))
 
 
 def token_budget(chars: int, tokens_per_char: float, cap: int) -> int | None:

@@ -137,7 +137,7 @@ def _failed(request: PlannedRequest, error: str, options: BenchOptions) -> Reque
 async def _speak_one(peer: HeadlessPeer, request: PlannedRequest, options: BenchOptions, origin: float
                      ) -> RequestRecord:
     uid = request.request_id
-    sent = peer.speak(uid, request.phrase.text)
+    sent = peer.speak(uid, request.phrase.text, **({"voice": request.voice} if request.voice else {}))
     record = new_record(request, sent - origin)
     outcome = await _wait_outcome(peer, uid, options.request_timeout_s)
     if outcome is None:

@@ -448,29 +448,46 @@ def random_frames(n: int, seed: int = 0) -> list[Frame]:
 
 
 LORA_TARGETS = ("q_proj", "v_proj")  # attention inputs only: o_proj is zero, so the model's grammar is kept
+# Every attention and MLP projection of a Llama layer: the usual fine-tune's adapter (Unsloth/PEFT "all linear").
+ALL_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections that write the residual stream: their B stays zero (PEFT's own initial B), so the adapted model keeps
+# Orpheus' grammar while vLLM runs the same LoRA kernels as for a trained adapter.
+RESIDUAL_WRITERS = ("o_proj", "down_proj")
+_LORA_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def build_test_lora(out_dir: str | Path, shape: str = "tiny", *, rank: int = 8, seed: int = 0) -> Path:
+def build_test_lora(out_dir: str | Path, shape: str = "tiny", *, rank: int = 8, seed: int = 0,
+                    targets: tuple[str, ...] = LORA_TARGETS, dtype: torch.dtype = torch.float32) -> Path:
     """A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for a `build_test_model` checkpoint
-    of `shape`: random A and B on every layer's q_proj and v_proj. Those only feed attention, whose output
-    projection is zero in the structured weights, so the adapted model still speaks Orpheus' grammar while vLLM
-    runs the adapter's real multi-LoRA path."""
+    of `shape`: random A and B on every layer's `targets` (default q_proj and v_proj), B zero on the projections
+    that write the residual stream (`RESIDUAL_WRITERS`). What the others feed is multiplied by those zero weights
+    in the structured model, so the adapted model still speaks Orpheus' grammar while vLLM runs the adapter's real
+    multi-LoRA path."""
     from safetensors.torch import save_file
 
+    unknown = sorted(set(targets) - set(_LORA_MODULE))
+    if unknown:
+        raise ValueError(f"unknown LoRA target(s) {unknown}; choose from {list(_LORA_MODULE)}")
     dims = SHAPES[shape]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rand = _Randn(seed, torch.float32)
-    outputs = {"q_proj": dims.num_attention_heads * dims.head_dim, "v_proj": dims.num_key_value_heads * dims.head_dim}
+    rand = _Randn(seed, dtype)
+    q_out, kv_out = dims.num_attention_heads * dims.head_dim, dims.num_key_value_heads * dims.head_dim
+    h, i = dims.hidden_size, dims.intermediate_size
+    in_out = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(dims.num_hidden_layers):
-        for target in LORA_TARGETS:
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
-            tensors[f"{prefix}.lora_A.weight"] = rand(rank, dims.hidden_size).contiguous()
-            tensors[f"{prefix}.lora_B.weight"] = rand(outputs[target], rank).contiguous()
+        for target in targets:
+            prefix = f"base_model.model.model.layers.{layer}.{_LORA_MODULE[target]}.{target}"
+            fan_in, fan_out = in_out[target]
+            tensors[f"{prefix}.lora_A.weight"] = rand(rank, fan_in).contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(fan_out, rank, dtype=dtype) \
+                if target in RESIDUAL_WRITERS else rand(fan_out, rank).contiguous()
     save_file(tensors, str(out / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-              "lora_dropout": 0.0, "bias": "none", "target_modules": list(LORA_TARGETS), "base_model_name_or_path":
+              "lora_dropout": 0.0, "bias": "none", "target_modules": list(targets), "base_model_name_or_path":
               None, "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out

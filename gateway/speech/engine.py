@@ -330,6 +330,18 @@ class OrpheusEngine(EngineBase):
         return [p.pid for p in psutil.Process().children(recursive=False)
                 if "EngineCore" in " ".join(_safe_cmdline(p)) or "EngineCore" in _safe_name(p)]
 
+    def kv_cache(self) -> dict[str, Any]:
+        """What vLLM gave this engine's KV cache at start-up (blocks, tokens per block, tokens in all) and the pids
+        of this engine's own core processes (benchmarks read their GPU memory); empty before start."""
+        llm = self._llm
+        if llm is None:
+            return {}
+        cache = llm.vllm_config.cache_config
+        blocks, block_size = cache.num_gpu_blocks or 0, cache.block_size or 0
+        manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+        pids = [proc.pid for proc in getattr(manager, "processes", ())]
+        return {"blocks": blocks, "block_size": block_size, "tokens": blocks * block_size, "core_pids": pids}
+
     # --- health -----------------------------------------------------------------------------------
     async def _watch(self) -> None:
         """Notice a dead engine even when no request is running, and restart it."""
