@@ -22,7 +22,7 @@ from gateway.rtc import timings as rtc_timings
 from gateway.rtc.session import Session
 from gateway.speech.synthesizer import Synthesizer
 from gateway.timing import split_words
-from tests.support import running, wait_until
+from tests.support import capture_pushed, running, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -66,19 +66,6 @@ def kinds(peer: HeadlessPeer, utterance_id: str) -> list[tuple[str, int | None]]
 
 def all_words(peer: HeadlessPeer, utterance_id: str) -> list[dict[str, Any]]:
     return [w for e in peer.find("words", utterance_id) for w in e.message["words"]]
-
-
-def capture_pushed(session: Session) -> dict[str, list[np.ndarray]]:
-    """The PCM the session pushes to its playout track, per utterance (what it plays, before Opus)."""
-    pushed: dict[str, list[np.ndarray]] = {}
-    original = session.track.push_pcm
-
-    def spy(utterance_id: str, pcm: np.ndarray) -> bool:
-        pushed.setdefault(utterance_id, []).append(pcm.copy())
-        return original(utterance_id, pcm)
-
-    session.track.push_pcm = spy  # type: ignore[method-assign]
-    return pushed
 
 
 async def test_timings_follow_each_segment_and_index_the_text(peer: HeadlessPeer,

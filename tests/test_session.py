@@ -34,6 +34,7 @@ PACE_FRAMES = 50  # one second of frames per pacing window
 PACE_WINDOWS = 5  # windows tried before concluding the track re-anchors even when the machine does not stall it
 RECEIVE_SLACK_S = 0.1  # the client stamps a frame when its own loop gets to it: up to a few frames late
 STAMPED_FRAMES = 30
+CANCEL_STOP_S = 0.25  # a cancel's last audible frame arrives within this (a frame, and the receive path's buffer)
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +153,19 @@ async def test_cancel_stops_audio_and_aborts_engine(peer: HeadlessPeer, gateway:
     engine = gateway.synthesizer.engine
     peer.speak("long", LONG_TEXT)
     await peer.wait_event("started", "long")
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: bool(peer.audible_frames()), timeout=ARRIVAL_TIMEOUT_S, message="no audio heard")
     assert engine.in_flight == 1
     peer.cancel()
     await peer.wait_event("cancelled", "long")
     cancelled_at = peer.event_time("cancelled", "long")
-    await wait_until(lambda: engine.in_flight == 0, timeout=5)
-    await wait_until(lambda: engine.unfinished_requests() == 0, timeout=5)
-    await asyncio.sleep(0.5)
-    # The server stops within one frame; allow the receive path's own buffering on top.
-    assert not peer.audible_frames(since=cancelled_at + 0.25), "audio continued after cancel"
+    await wait_until(lambda: engine.in_flight == 0, timeout=5, message="the engine request was not aborted")
+    await wait_until(lambda: engine.unfinished_requests() == 0, timeout=5, message="the engine kept the request")
+    # The server stops within one frame; allow the receive path's own buffering on top. The track goes on with
+    # silence: half a second of it received after that allowance is where audio that went on would be.
+    quiet_from = cancelled_at + CANCEL_STOP_S
+    await wait_until(lambda: bool(peer.frames) and peer.frames[-1].at > quiet_from + 0.5, timeout=ARRIVAL_TIMEOUT_S,
+                     message="no frames received half a second after the cancel")
+    assert not peer.audible_frames(since=quiet_from), "audio continued after cancel"
     assert not peer.find("done", "long")
 
 
