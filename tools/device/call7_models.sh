@@ -10,11 +10,14 @@
 #          model if absent), LORA_USERS streams on the base voice, then as many on the adapter's voice.
 # Real-time streams per model at 0 and 500 ms come from the same points (the stall check's two views). Sizes fit the
 # 600 s limit on one H100 (each run's engine start included); a time limit keeps the points finished (JSON per point).
+# Where the three do not fit (a slow host's engine starts), split them over two calls on the warm machine:
+# RUNS="alone two", then RUNS=lora (same machine, so still the same run's figures).
 # carry: .devcarry/gw2 (first time only), .devcarry/snap (committed code)
 # env: NAME (output folder under $OUT), TRAFFIC_USERS (128,256), MIXED_USERS (1,64), LORA_USERS (128,256),
 #      LORA_RANK (32), KV_GIB (20: the two run's KV cache per engine, ~180k tokens of the 3B shape),
 #      BENCH_ARGS (more gateway.benchmarks.run flags for all three), RUNS ("alone two lora"),
-#      T_ALONE / T_TWO / T_LORA (each run's timeout, s), MPS (non-empty: under an NVIDIA MPS daemon, as call 3)
+#      T_ALONE / T_TWO / T_LORA (each run's timeout, s; all within CALL_S, 585),
+#      MPS (non-empty: under an NVIDIA MPS daemon, as call 3)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}
 source $REPO/tools/device/carried.sh  # folders from the stage calls (pack.py)
 [ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP
@@ -33,13 +36,16 @@ TRAFFIC_USERS=${TRAFFIC_USERS:-128,256}; MIXED_USERS=${MIXED_USERS:-1,64}; LORA_
 COMMON="--random-orpheus /tmp/orpheus-struct --level engine --listener-buffer-ms 0 --buffers-ms 0,500 --no-plots $GRAPHS"
 source tools/device/mps.sh; mps_start
 bench() {  # bench RUN TIMEOUT FLAGS...: one gateway.benchmarks.run into $OUT/$NAME/RUN
-  local run=$1 limit=$2; shift 2
+  local run=$1 limit=$2 left=$(( ${CALL_S:-585} - ($(date +%s) - T0) )); shift 2
+  [ $left -lt $limit ] && limit=$left  # the call's own limit: the last run gets what is left, the summary still prints
+  [ $limit -lt 60 ] && { echo "=== $run skipped: ${limit}s left"; return; }
   mkdir -p $OUT/$NAME/$run
   echo "=== $run (timeout ${limit}s): $*"
   timeout $limit python3 -m gateway.benchmarks.run $COMMON --out $OUT/$NAME/$run "$@" $BENCH_ARGS \
     > $OUT/$NAME/$run/bench.log 2>&1
   echo "$run rc=$? after $(( $(date +%s) - T0 ))s"
-  grep -E "^(#|\||\[bench\] (engine|wrote))|Error|error" $OUT/$NAME/$run/bench.log | grep -v "where the time went" | tail -c 5000
+  awk '/^#### /{skip=1} /^### /{skip=0} !skip' $OUT/$NAME/$run/bench.log \
+    | grep -E "^(###|\||\[bench\] (engine|wrote))|Error" | tail -c 5000  # the main tables, not "where the time went"
 }
 for RUN in ${RUNS:-alone two lora}; do
   case $RUN in
