@@ -142,7 +142,7 @@ def residual_unit(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch
         dummy if pw_bias is None else pw_bias, frame, end, length, per_frame, delay,
         C=channels, K=TAPS, DIL=dilation, MASKED=masked, HAS_DW_BIAS=dw_bias is not None,
         HAS_PW_BIAS=pw_bias is not None, LOW_PRECISION=x.dtype != torch.float32,
-        BLOCK_T=block_t, BLOCK_CO=block_co, BLOCK_CI=block_ci, num_warps=warps)
+        BLOCK_T=block_t, BLOCK_CO=block_co, BLOCK_CI=block_ci, num_warps=warps, num_stages=1)
     return out
 
 
