@@ -358,3 +358,55 @@ async def test_prefetch_makes_lines_ready_without_delaying_live_speech(
             async with aiohttp.ClientSession() as http, http.post(f"{base_url}/v1/audio/prefetch",
                                                                   json={"texts": []}) as r:
                 assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_prefetch"
+
+
+# --- single flight across processes and hosts (the board in the shared store) --------------------------------
+
+@needs_redis
+async def test_a_burst_across_two_gateways_on_one_redis_makes_one_engine_request(
+        test_config: GatewayConfig, synthesizer: Synthesizer, redis_server: RedisServer) -> None:
+    """Identical first requests to two gateways sharing a Redis: one leads (claims the key's lease, generates,
+    relays its chunks as a Stream), the other follows the relayed audio: one engine request, the same samples."""
+    engine = synthesizer.engine
+    config = dataclasses.replace(test_config, phrase_cache="marked", phrase_cache_url=redis_server.url)
+    text = "Both hosts start this line at once."
+    async with running(config, synthesizer) as (url_a, gateway_a), running(config, synthesizer) as (url_b, gateway_b), \
+            aiohttp.ClientSession() as http:
+        requests = engine.requests_started
+        bodies = await asyncio.gather(*(speech(http, url, text, cache=True) for url in (url_a, url_b) * 3))
+        assert engine.requests_started == requests + 1
+        assert all(body == bodies[0] for body in bodies) and len(bodies[0]) > 0
+        joins = [metric(g, "orpheus_phrase_cache_single_flight_joins_total") for g in (gateway_a, gateway_b)]
+        assert sum(joins) >= 5 and min(joins) >= 2, joins  # 2 local joins, and the follower host's 1 + 2
+
+
+async def test_a_leader_that_died_lets_a_follower_make_the_line(
+        test_config: GatewayConfig, synthesizer: Synthesizer, tmp_path: Path) -> None:
+    """A lease claimed by a leader that relayed one chunk and then died (it never renews): a request for the key
+    plays that chunk at once, and once the lease expires makes the line itself, going on from the samples heard."""
+    from gateway.phrases.board import LEASE_S, pcm_bytes
+    from gateway.phrases.disk_board import DiskBoard
+
+    engine = synthesizer.engine
+    config = cached_config(test_config, tmp_path)
+    text = "The leader of this line has died."
+    async with running(config, synthesizer) as (base_url, gateway), aiohttp.ClientSession() as http:
+        assert gateway.phrases is not None
+        digest = gateway.phrases.key(config.voice, text).digest
+        board = DiskBoard(tmp_path)
+        heard = entry(samples=1200).pcm
+        try:
+            assert await board.claim(digest, "dead-leader")
+            await board.append(digest, "dead-leader", 0, pcm_bytes(heard), False)
+            requests = engine.requests_started
+            started = time.monotonic()
+            body = await speech(http, base_url, text)
+            waited = time.monotonic() - started
+        finally:
+            await board.close()
+        assert engine.requests_started == requests + 1  # the follower made it after the lease expired
+        assert waited >= LEASE_S * 0.8
+        assert body[:len(heard) * 2] == pcm_bytes(heard) and len(body) > len(heard) * 2
+        await asyncio.wait_for(gateway.phrases.prefetch_idle(), 30)
+        stored = await gateway.phrases.lookup(gateway.phrases.key(config.voice, text))
+        assert stored is not None and len(stored.pcm) > 0  # its own generation, whole, is the entry

@@ -41,6 +41,7 @@ from tests.support import (
     needs_chromium,
     offer_sdp,
     poll_until,
+    wait_until,
     stop_process_group,
 )
 
@@ -279,6 +280,77 @@ async def test_workers_share_the_phrase_cache_of_their_host(workers: Workers, vl
         assert resp.status == 200
         assert await resp.read() == made
     assert await vllm_server.metric("vllm:request_success_total") == before
+
+
+async def test_a_burst_of_first_requests_to_both_workers_makes_one_engine_request(
+        workers: Workers, vllm_server: VllmServer) -> None:
+    """Identical first requests (`cache: true`) to both workers at once: one worker claims the line's lease on the
+    host's board and asks vllm serve once; the other follows its relayed chunks; every body has the same samples."""
+    body = {"input": "Both workers start this line together.", "response_format": "pcm", "cache": True}
+
+    async def speak(index: int) -> bytes:
+        async with workers.http(index) as http, http.post("http://worker/v1/audio/speech", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.read()
+
+    before = await vllm_server.metric("vllm:request_success_total")
+    bodies = await asyncio.gather(*(speak(index) for index in (0, 1) * 3))
+    assert len(bodies[0]) > 0 and all(b == bodies[0] for b in bodies)
+    assert await vllm_server.metric("vllm:request_success_total") == before + 1
+    async with aiohttp.ClientSession() as http, http.get(f"{workers.url}/metrics") as resp:  # every worker's
+        text = await resp.text()
+    joins = sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == "orpheus_phrase_cache_single_flight_joins_total")
+    assert joins >= 5  # every request but the leader's followed it, in its worker or through the board
+
+
+async def test_a_killed_leader_worker_lets_the_follower_make_the_line(workers: Workers) -> None:
+    """Worker 0 leads a line (its lease on the host's board), worker 1 follows it; worker 0 is killed: its lease
+    expires, worker 1 makes the line itself (its own stream ends with the final marker) and its request ends with
+    audio, not an error."""
+    body = {"input": "This line outlives the worker that started it.", "response_format": "pcm", "cache": True}
+    database = workers.sockets.parent / "phrases" / "phrases.sqlite3"
+    leader, follower = workers.worker_pid(0), workers.worker_pid(1)
+
+    def rows(query: str) -> list[tuple[Any, ...]]:  # none before the workers made the database
+        with contextlib.suppress(sqlite3.OperationalError), contextlib.closing(sqlite3.connect(database)) as db:
+            return db.execute(query).fetchall()
+        return []
+
+    async def speak(index: int) -> bytes:
+        async with workers.http(index) as http, http.post("http://worker/v1/audio/speech", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.read()
+
+    first = asyncio.create_task(speak(0))
+    try:
+        def leading() -> list[str]:
+            return [k for (k, owner) in rows("SELECT key, owner FROM flights") if f":{leader}:" in owner]
+
+        await wait_until(lambda: bool(leading()), timeout=60, message="worker 0 did not claim the line")
+        (key,) = leading()
+        second = asyncio.create_task(speak(1))
+        deadline = time.monotonic() + 30
+        while not any(heard > 0 for (heard,) in rows("SELECT heard FROM flights")):  # worker 1 follows
+            assert time.monotonic() < deadline and not second.done(), "worker 1 did not follow the leader"
+            await asyncio.sleep(0.01)
+        os.kill(leader, signal.SIGKILL)
+        made = await asyncio.wait_for(second, 120)
+        assert len(made) > 0
+        def finals() -> list[str]:  # the streams of the line that ended with its entry stored
+            return [owner for (k, owner) in rows("SELECT key, owner FROM flight_chunks WHERE final = 1") if k == key]
+
+        await wait_until(lambda: any(f":{follower}:" in owner for owner in finals()), timeout=30,
+                         message="worker 1 did not make the line")
+        assert not any(f":{leader}:" in owner for owner in finals()), finals()  # worker 0 never finished it
+    finally:
+        with contextlib.suppress(Exception):
+            await first
+    deadline = time.monotonic() + START_TIMEOUT_S  # the supervisor restarts worker 0
+    while len(workers.worker_pids()) < WORKERS or leader in workers.worker_pids():
+        assert time.monotonic() < deadline, f"worker 0 was not restarted:\n{workers.log_tail()}"
+        await asyncio.sleep(0.5)
+    await workers.wait_all_ready()
 
 
 async def test_utterances_count_against_one_limit_across_workers(workers: Workers) -> None:

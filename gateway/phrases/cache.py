@@ -3,8 +3,9 @@
 Single flight: the first request for a key that is neither stored nor being made starts a `Flight`, a generation
 owned by the cache (not by the request); that request and every later one for the key follow it, reading its
 chunks from the first (`Flight.follow`). The flight ends when the last follower leaves before the audio is complete
-(nobody hears it: the engine request is aborted), or with its entry stored. Within a process; the processes of a
-host or the hosts of a Redis each make a line once and then share it.
+(nobody hears it: the engine request is aborted), or with its entry stored. Across processes (the workers of a
+host, the gateways of a Redis) the flight first claims the key on the store's board (`gateway.phrases.board`): the
+claimant leads (generates and relays its chunks), any other process's flight follows the leader's relayed chunks.
 
 Prefetch: sentences are made one at a time, each only while the engine has room (`PREFETCH_ROOM` of its utterance
 limit, every worker's counted, is free), holding an admission slot as live speech does. Live speech goes first: a
@@ -17,6 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,7 @@ import numpy as np
 
 from gateway.config import GatewayConfig
 from gateway.orpheus import split_sentences
+from gateway.phrases.board import FlightBoard, LeaderRelay, release_quietly, tail
 from gateway.phrases.disk import DiskStore, default_folder
 from gateway.phrases.entry import CorruptEntryError, PhraseEntry
 from gateway.phrases.key import PhraseKey
@@ -43,6 +48,7 @@ PREFETCH_IDLE_S = 0.05  # how often a waiting prefetch looks for room again
 MAX_PREFETCH_QUEUE = 256  # sentences waiting to be prefetched per process; more are skipped
 PREEMPT_CHECK_S = 0.02  # how often a running prefetch looks for live speech that started beside it
 MAX_PREEMPTIONS = 3  # a prefetch aborted for live speech this often is skipped (the line is made when spoken)
+MAX_CLAIMS = 8  # leaders elsewhere followed and lost for one flight before it generates without the board
 
 
 class PhraseStore(Protocol):
@@ -79,6 +85,7 @@ class Flight:
 
     key: PhraseKey
     chunks: list[tuple[np.ndarray, bool]] = field(default_factory=list)  # (pcm, last of the sentence)
+    samples: int = 0  # published so far
     stats: UtteranceStats = field(default_factory=UtteranceStats)
     entry: PhraseEntry | None = None
     error: BaseException | None = None
@@ -86,11 +93,26 @@ class Flight:
     followers: int = 0
     leads: list[LeadOf] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    relay: LeaderRelay | None = None  # leading on the board: followers elsewhere may hear it
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, pcm: np.ndarray, last: bool) -> None:
         self.chunks.append((pcm, last))
+        self.samples += len(pcm)
         self._wake()
+
+    def publish_from(self, pcm: np.ndarray, last: bool, at: int) -> None:
+        """A chunk starting at sample `at` of its generation: only the samples past those already published (a
+        leader elsewhere died mid-sentence and this flight goes on from another generation of it)."""
+        skip = self.samples - at
+        if skip <= 0:
+            self.publish(pcm, last)
+        elif skip < len(pcm) or last:
+            self.publish(pcm[skip:], last)
+
+    def heard(self) -> bool:
+        """Somebody listens: a follower here, or (leading on the board) one elsewhere."""
+        return self.followers > 0 or (self.relay is not None and self.relay.heard_elsewhere())
 
     def end(self, error: BaseException | None = None) -> None:
         self.done, self.error = True, error
@@ -133,11 +155,13 @@ class PhraseCache:
     """Lookups, single flights, stores and prefetches of one process; `policy` decides what may be kept."""
 
     def __init__(self, config: GatewayConfig, metrics: PhraseCacheMetrics, admission: Admission,
-                 store: PhraseStore, make_timings: MakeTimings) -> None:
+                 store: PhraseStore, make_timings: MakeTimings, board: FlightBoard | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.admission = admission
         self.store = store
+        self.board = board
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"  # with a fresh suffix per claim
         self.make_timings = make_timings
         self.flights: dict[str, Flight] = {}
         self._prefetch: asyncio.Queue[tuple[Synthesizer, PhraseKey]] = asyncio.Queue(MAX_PREFETCH_QUEUE)
@@ -152,14 +176,19 @@ class PhraseCache:
         if config.phrase_cache == OFF:
             return None
         store: PhraseStore
+        board: FlightBoard
         if config.phrase_cache_url:
+            from gateway.phrases.redis_board import RedisBoard
             from gateway.phrases.redis_store import RedisStore
 
-            store = RedisStore(config.phrase_cache_url, config.phrase_cache_bytes)
+            redis = RedisStore(config.phrase_cache_url, config.phrase_cache_bytes)
+            store, board = redis, RedisBoard(redis.client, redis.prefix)
         else:
+            from gateway.phrases.disk_board import DiskBoard
+
             folder = Path(config.phrase_cache_dir) if config.phrase_cache_dir else default_folder()
-            store = DiskStore(folder, config.phrase_cache_bytes)
-        return cls(config, metrics, admission, store, make_timings)
+            store, board = DiskStore(folder, config.phrase_cache_bytes), DiskBoard(folder)
+        return cls(config, metrics, admission, store, make_timings, board)
 
     def applies(self, marked: bool | None) -> bool:
         """Whether a line sent with `cache: marked` (None: not said) may be kept: `cache: false` never is (a
@@ -168,10 +197,9 @@ class PhraseCache:
             return False
         return marked is True or self.config.phrase_cache == ALL
 
-    def key(self, voice: str, text: str, seed: int | None = None, language: str | None = None) -> PhraseKey:
-        """The key of a sentence; its timings' language is `language`, or the sessions' for this voice."""
-        return PhraseKey.of(self.config, voice, language or self.config.language_of(voice),
-                            text, seed)
+    def key(self, voice: str, text: str, seed: int | None = None) -> PhraseKey:
+        """The key of a sentence; its timings' language is the sessions' for this voice."""
+        return PhraseKey.of(self.config, voice, self.config.language_of(voice), text, seed)
 
     # --- lookups ------------------------------------------------------------------------------------------
     async def lookup(self, key: PhraseKey) -> PhraseEntry | None:
@@ -196,6 +224,9 @@ class PhraseCache:
     def _store_failed(self, call: str, exc: BaseException) -> None:
         self.metrics.errors_total.labels(self.store.name).inc()
         log.warning("phrase cache: %s %s failed: %s", self.store.name, call, exc)
+
+    def _board_failed(self, call: str, exc: BaseException) -> None:  # the line is made here: misses, no failure
+        self._store_failed(f"flight {call}", exc)
 
     async def _put(self, key: PhraseKey, entry: PhraseEntry) -> None:
         try:
@@ -222,21 +253,13 @@ class PhraseCache:
         return flight
 
     async def _generate(self, flight: Flight, synthesizer: Synthesizer) -> None:
+        """The flight's task: its audio from a leader elsewhere, or made here (and relayed while leading)."""
         key = flight.key
+        abandoned = True
         try:
-            seed = None if key.seed_policy == "random" else int(key.seed_policy.split(":", 1)[1])
-            pcm: list[np.ndarray] = []
-            async with contextlib.aclosing(synthesizer.utterance([key.text], key.voice, seed=seed,
-                                                                 stats=flight.stats)) as chunks:
-                async for chunk in chunks:
-                    pcm.append(chunk.pcm)
-                    flight.publish(chunk.pcm, chunk.last_of_sentence)
-            audio = np.concatenate(pcm) if pcm else np.zeros(0, np.int16)
-            timings = await self.make_timings(key.text, audio, key.language)
-            flight.entry = PhraseEntry(audio, timings.words, timings.visemes, timings.source)
-            flight.end()
-            if len(audio):
-                await self._put(key, flight.entry)
+            if not await self._from_board(flight):
+                await self._make(flight, synthesizer)
+            abandoned = False
         except asyncio.CancelledError:
             flight.end(FlightAbandoned("every listener of this sentence left"))
             raise
@@ -245,10 +268,67 @@ class PhraseCache:
         finally:
             if self.flights.get(key.digest) is flight:
                 del self.flights[key.digest]
+            if abandoned:  # followers elsewhere see the lease freed and make the line themselves
+                await release_quietly(flight.relay, complete=False)
+
+    async def _from_board(self, flight: Flight) -> bool:
+        """Claim the key on the board, or follow the leader that holds it. True: the flight ended with the audio
+        of a leader elsewhere (or the entry it stored meanwhile); False: make it here (leading on the board, or
+        alone where the board failed)."""
+        board, digest = self.board, flight.key.digest
+        if board is None:
+            return False
+        for _attempt in range(MAX_CLAIMS):
+            owner = f"{self.owner}:{uuid.uuid4().hex[:12]}"
+            try:
+                if await board.claim(digest, owner):
+                    flight.relay = LeaderRelay(board, digest, owner, self._board_failed,
+                                               lambda: self._left(flight))
+                    entry = await self.lookup(flight.key)  # a leader that finished just before the claim
+                    if entry is None:
+                        return False
+                    flight.publish_from(entry.pcm, True, 0)
+                    flight.relay.send(entry.pcm, True)  # for any follower that came meanwhile
+                    flight.entry = entry
+                    flight.end()
+                    await flight.relay.close(complete=True)
+                    return True
+                self.metrics.joins_total.inc()
+                if await tail(board, digest, flight.publish_from):
+                    flight.end()
+                    return True
+                log.info("phrase cache: the leader of %s is gone; this process takes it over", digest[:12])
+            except Exception as exc:
+                self._board_failed("claim", exc)
+                return False
+        return False
+
+    async def _make(self, flight: Flight, synthesizer: Synthesizer) -> None:
+        key, relay = flight.key, flight.relay
+        seed = None if key.seed_policy == "random" else int(key.seed_policy.split(":", 1)[1])
+        pcm: list[np.ndarray] = []
+        at = 0
+        async with contextlib.aclosing(synthesizer.utterance([key.text], key.voice, seed=seed,
+                                                             stats=flight.stats)) as chunks:
+            async for chunk in chunks:
+                pcm.append(chunk.pcm)
+                flight.publish_from(chunk.pcm, chunk.last_of_sentence, at)
+                at += len(chunk.pcm)
+                if relay is not None:
+                    relay.send(chunk.pcm, chunk.last_of_sentence)
+        audio = np.concatenate(pcm) if pcm else np.zeros(0, np.int16)
+        timings = await self.make_timings(key.text, audio, key.language)
+        flight.entry = PhraseEntry(audio, timings.words, timings.visemes, timings.source)
+        flight.end()
+        if len(audio):
+            await self._put(key, flight.entry)
+        if relay is not None:
+            await relay.close(complete=True)  # after the put: a follower that finds the stream final finds the entry
 
     def _left(self, flight: Flight) -> None:
-        """A follower left: the last one to leave an unfinished flight ends it (nobody hears the rest)."""
-        if flight.followers == 0 and not flight.done and flight.task is not None:
+        """A follower left (or a leader renewed its lease): an unfinished flight nobody hears, here or elsewhere,
+        ends (the engine request is aborted)."""
+        if not flight.heard() and not flight.done and flight.task is not None:
             flight.task.cancel()
 
     async def follow(self, flight: Flight, lead: LeadOf | None) -> AsyncIterator[tuple[np.ndarray, bool]]:
@@ -256,15 +336,14 @@ class PhraseCache:
             yield item
 
     # --- prefetch -----------------------------------------------------------------------------------------
-    async def prefetch(self, synthesizer: Synthesizer, texts: Iterable[str], voice: str,
-                       language: str | None = None) -> list[bool]:
+    async def prefetch(self, synthesizer: Synthesizer, texts: Iterable[str], voice: str) -> list[bool]:
         """Whether each text's sentences are all stored now; the missing ones are queued to be made while the
         engine has room."""
         ready: list[bool] = []
         for text in texts:
             all_there = True
             for sentence in split_sentences(text, self.config.max_sentence_chars):
-                key = self.key(voice, sentence, language=language)
+                key = self.key(voice, sentence)
                 if key.digest in self.flights or await self.lookup(key) is not None:
                     all_there = all_there and key.digest not in self.flights
                     continue
@@ -347,5 +426,7 @@ class PhraseCache:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.board is not None:
+            await self.board.close()
         await self.store.close()
 
