@@ -22,7 +22,7 @@ from gateway.orpheus import language_for_voice, voices_for_model
 DEFAULT_MODEL_NAME = "default"  # the one model of `--model PATH`
 QUALIFIER = "/"  # `pt/ana`: voice `ana` of model `pt`
 MODEL_FIELDS = ("path", "voices", "languages", "default_voice", "gpu_memory_utilization", "kv_cache_memory_gib",
-                "temperature", "top_p", "repetition_penalty", "vllm_urls", "vllm_model")
+                "temperature", "top_p", "repetition_penalty", "vllm_urls", "vllm_model", "max_streams")
 LORA_FIELDS = ("path", "base", "voices", "languages", "default_voice")
 # vLLM's accepted max_lora_rank values; an engine takes the smallest that holds its adapters' ranks.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -77,6 +77,7 @@ class ModelSpec:
     repetition_penalty: float | None = None
     vllm_urls: tuple[str, ...] = ()
     vllm_model: str | None = None
+    max_streams: int | None = None  # its utterances at once (its LoRA voices' too); None: an even share of the total
     voice_languages: Mapping[str, str] = field(default_factory=dict)  # voice -> BCP-47
     lora_of: str | None = None  # a LoRA adapter (`path`) of this base model, run on the base's engine
 
@@ -174,10 +175,14 @@ def make_spec(name: str, values: Mapping[str, Any], what: str = "model") -> Mode
     vllm_model = values.get("vllm_model")
     if vllm_model is not None and not isinstance(vllm_model, str):
         raise ModelTableError(f"model {name!r}: vllm_model must be a string")
+    max_streams = values.get("max_streams")
+    if max_streams is not None and (isinstance(max_streams, bool) or not isinstance(max_streams, int)
+                                    or max_streams < 1):
+        raise ModelTableError(f"model {name!r}: max_streams must be a whole number >= 1")
     return ModelSpec(name=name, path=path.strip(), voices=tuple(voices), languages=tuple(languages),
                      default_voice=default_voice, vllm_urls=tuple(_strings(values.get("vllm_urls"),
                                                                            f"model {name!r}: vllm_urls")),
-                     vllm_model=vllm_model, voice_languages=voice_languages, **numbers)
+                     vllm_model=vllm_model, max_streams=max_streams, voice_languages=voice_languages, **numbers)
 
 
 def _strings(value: object, what: str) -> list[str]:
@@ -329,7 +334,8 @@ def table_file(table: ModelTable, urls: Mapping[str, Sequence[str]]) -> dict[str
     for name, spec in table.bases.items():
         entry: dict[str, Any] = {"path": spec.path, "voices": list(spec.voices), "languages": list(spec.languages),
                                  "default_voice": spec.default_voice}
-        for key in ("gpu_memory_utilization", "kv_cache_memory_gib", "temperature", "top_p", "repetition_penalty"):
+        for key in ("gpu_memory_utilization", "kv_cache_memory_gib", "temperature", "top_p", "repetition_penalty",
+                    "max_streams"):
             if getattr(spec, key) is not None:
                 entry[key] = getattr(spec, key)
         entry["vllm_urls"] = list(urls.get(name, spec.vllm_urls))

@@ -5,6 +5,7 @@ its repeat asks no engine, and bad language/voice/markup gets an `error` event o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -20,11 +21,19 @@ from gateway.config import ConfigError, GatewayConfig, add_arguments, from_sourc
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.state import GatewayState
 from gateway.model_table import LoraAdapter, ModelTableError, espeak_language
+from gateway.orpheus import split_sentences
 from gateway.rtc.session import Session
 from gateway.speech.errors import InvalidRequestError
 from gateway.speech.language_spans import parse_spans
 from gateway.speech.synthesizer import Synthesizer
-from tests.support import TEST_STOP_PROBABILITY, chromium, needs_chromium, offer_sdp, running, tiny_config
+from tests.support import (
+    TEST_STOP_PROBABILITY,
+    chromium,
+    needs_chromium,
+    offer_sdp,
+    running,
+    tiny_config,
+)
 
 MODELS_TOML = """
 [models.en]
@@ -47,6 +56,11 @@ path = "{lora}"
 base = "en"
 voices = ["tutor"]
 """
+# The lesson page's lines (gateway/web/lesson.js) and the voice each is spoken by on a gateway of MODELS_TOML when
+# the page's voice is tara: PT lines by the PT model's default voice, EN lines by tara.
+LESSON_ROUTES = [("rui", "Bom dia! Como você está?"), ("tara", "Good morning! How are you?"),
+                 ("rui", "Eu me chamo Ana. E você?"), ("tara", "Nice to meet you!"), ("rui", "Onde fica a estação?"),
+                 ("tara", "Thank you, see you tomorrow.")]
 MIXED = 'Good morning! The word for station is <lang xml:lang="pt-BR">estação</lang>.'
 
 
@@ -125,6 +139,7 @@ def test_models_file_sets_voices_languages_sampling_and_shares(tmp_path: Path) -
      "either every model lists its vllm_urls"),
     (["--vllm-url", "http://gpu1:8001"], '[models.a]\npath = "/m/a"\n[models.b]\npath = "/m/b-fr"\n',
      "list each model's servers (vllm_urls) in --models-file"),
+    ([], '[models.x]\npath = "/m/x"\nmax_streams = 0\n', "max_streams must be a whole number >= 1"),
     ([], "models = 3\n", "needs a non-empty 'models' table"),
     ([], "[models.a\n", "not valid TOML"),
 ])
@@ -158,6 +173,46 @@ def test_lang_markup_spans_index_the_text_as_sent() -> None:
         with pytest.raises(InvalidRequestError) as caught:
             parse_spans(bad)
         assert caught.value.code == "invalid_markup"
+
+
+def test_admission_holds_each_models_limit_within_the_total_across_workers(tmp_path: Path) -> None:
+    """An utterance counts against its voice's model (a LoRA voice: its base's) and the total: `max_streams` of
+    the models file, else an even share of the total; under `serve --workers` each model's count is every
+    worker's (a `StreamCounts` column per model)."""
+    from gateway.service.admission import Admission, StreamCounts, create_stream_counts, stream_count_columns
+    from gateway.service.errors import CapacityError
+
+    table = MODELS_TOML.format(en="/m/en", pt="/m/pt") + LORA_TOML.format(lora="/adapters/tutor")
+    config = parse(["--models-file", write_models(tmp_path, table), "--max-num-seqs", "4"])
+    assert Admission.from_config(config).model_limits == {"en": 4, "pt": 4}  # 8 in all, an even share each
+    capped = parse(["--models-file", write_models(tmp_path, table.replace("temperature = 0.7",
+                                                                          "temperature = 0.7\nmax_streams = 4")),
+                    "--max-num-seqs", "4", "--max-in-flight-utterances", "5"])
+    counts = tmp_path / "streams.counts"
+    columns = stream_count_columns(capped)
+    assert columns == 3 and stream_count_columns(parse(["--model", "/m/en"])) == 1
+    create_stream_counts(counts, 2, columns)
+    workers = [StreamCounts(counts, index, columns) for index in range(2)]
+    try:
+        first, second = (Admission.from_config(capped, shared) for shared in workers)
+        assert first.model_limits == {"en": 3, "pt": 4}  # en: half of 5, rounded up; pt: its own
+        slots = [admission.admit_stream(voice) for admission in (first, second) for voice in ("ana", "rui")]
+        with pytest.raises(CapacityError) as refused:  # pt's 4: two in each worker
+            first.admit_stream("ana")
+        assert refused.value.model == "pt" and "model 'pt'" in str(refused.value) and refused.value.retry_after_s
+        slots.append(second.admit_stream("tutor"))  # a LoRA voice counts as its base's (en)
+        assert first.model_streams_in_use("en") == 1 and first.model_streams_in_use("pt") == 4
+        with pytest.raises(CapacityError) as refused:
+            first.admit_stream("leo")  # en has room, the total of 5 has none
+        assert refused.value.model is None
+        slots.pop(0).release()  # a pt utterance ends: pt and the total have room again
+        first.admit_stream("rui").release()
+        for slot in slots:
+            slot.release()
+        assert counts.read_bytes() == bytes(8 * 2 * columns)
+    finally:
+        for shared in workers:
+            shared.close()
 
 
 # --- one gateway, two real engines ---------------------------------------------------------------------------------
@@ -304,6 +359,78 @@ async def test_speak_routes_language_and_refuses_what_is_not_served(
     assert added(before, gateway) == {"en": 0, "pt": 1}
 
 
+async def cartesia_context(ws: aiohttp.ClientWebSocketResponse, context_id: str, **fields: Any) -> dict[str, Any]:
+    """Send one whole-text context on Cartesia's socket; its last message (`done` or `error`)."""
+    await ws.send_json({"context_id": context_id, "transcript": "Olá.", **fields})
+    while True:
+        message = await ws.receive_json(timeout=120)
+        if message["context_id"] == context_id and message["done"]:
+            return message
+
+
+@pytest.mark.engine
+async def test_cartesia_language_and_prefetch_route_through_the_table(
+        peer: HeadlessPeer, two_models: tuple[str, GatewayState]) -> None:
+    """Cartesia's ISO `language` and prefetch's BCP-47 `language` choose a model as `speak` does, with its errors."""
+    base_url, gateway = two_models
+    async with aiohttp.ClientSession(base_url) as client, client.ws_connect("/tts/websocket") as ws:
+        for fields, engine in [({"language": "pt"}, "pt"), ({"language": "en", "voice": {"mode": "id", "id": "leo"}},
+                                                            "en")]:
+            before = counts(gateway)
+            assert (await cartesia_context(ws, f"c-{engine}", **fields))["type"] == "done"
+            assert added(before, gateway) == {"en": 0, "pt": 0, engine: 1}, fields
+        for context_id, fields, code in [("c1", {"language": "ko"}, "unknown_language"),
+                                         ("c2", {"language": "en", "voice": {"mode": "id", "id": "ana"}},
+                                          "voice_language_mismatch"), ("c3", {"language": 7}, "invalid_language")]:
+            error = await cartesia_context(ws, context_id, **fields)
+            assert (error["type"], error["code"], error["status_code"]) == ("error", code, 400), error
+        for body, status, code in [({"language": "ko"}, 400, "unknown_language"),
+                                   ({"voice": "ana", "language": "en-US"}, 400, "voice_language_mismatch"),
+                                   ({"language": "not a tag"}, 400, "invalid_prefetch"),
+                                   ({"language": "pt-BR"}, 200, None)]:
+            resp = await client.post("/v1/audio/prefetch", json={"texts": ["Olá."], **body})
+            assert resp.status == status, await resp.text()
+            answer = await resp.json()
+            assert answer["error"]["code"] == code if code else answer["skipped"] == ["Olá."]
+    peer.send({"type": "prefetch", "texts": ["Olá."], "language": "ko"})
+    assert (await peer.wait_event("error", timeout=30))["code"] == "unknown_language"
+    peer.send({"type": "prefetch", "texts": ["Olá."], "language": "pt-BR"})
+    assert (await peer.wait_event("prefetched", timeout=30))["skipped"] == ["Olá."]  # this gateway keeps none
+
+
+@pytest.mark.engine
+async def test_a_model_at_its_limit_is_refused_by_name_while_the_others_speak(
+        peer: HeadlessPeer, two_models: tuple[str, GatewayState]) -> None:
+    """pt's utterance slots all taken (its share of the total): pt's voices get the busy error naming the model
+    on every door, English voices still speak."""
+    base_url, gateway = two_models
+    admission, registry = gateway.admission, gateway.metrics.registry
+    held = [admission.admit_stream("ana") for _ in range(admission.model_limits["pt"])]
+    refusals = registry.get_sample_value("orpheus_model_refusals_total", {"model": "pt"}) or 0.0
+    try:
+        assert admission.streams_in_use < admission.max_streams
+        async with aiohttp.ClientSession(base_url) as client:
+            resp = await client.post("/v1/audio/speech", json={"input": "Olá.", "voice": "rui"})
+            assert resp.status == 503 and int(resp.headers["Retry-After"]) > 0
+            error = (await resp.json())["error"]
+            assert error["code"] == "at_capacity" and "model 'pt'" in error["message"]
+            resp = await client.post("/v1/audio/speech", json={"input": "Hello.", "voice": "tara",
+                                                               "response_format": "pcm"})
+            assert resp.status == 200 and len(await resp.read()) > 0
+            async with client.ws_connect("/tts/websocket") as ws:
+                error = await cartesia_context(ws, "c", language="pt-BR")
+                assert (error["code"], error["status_code"]) == ("at_capacity", 503) and "'pt'" in error["error"]
+        peer.speak("busy", "Olá.", language="pt-BR")
+        error = await peer.wait_event("error", "busy", timeout=30)
+        assert error["code"] == "at_capacity" and error["retry_after_s"] > 0 and "model 'pt'" in error["message"]
+        assert registry.get_sample_value("orpheus_model_refusals_total", {"model": "pt"}) == refusals + 3
+    finally:
+        for slot in held:
+            slot.release()
+    peer.speak("free", "Olá.", language="pt-BR")
+    await peer.wait_event("done", "free", timeout=120)
+
+
 def test_workers_start_one_vllm_serve_per_model_and_hand_the_workers_their_servers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve --workers`: one `vllm serve` per model (its path, its memory share), and every worker's table streams
@@ -384,6 +511,106 @@ async def test_the_page_speaks_pt_lines_with_the_pt_model_and_en_lines_with_the_
             await page.wait_for_selector('#now[data-kind="done"]', timeout=180_000)
             assert added(before, gateway) == {"en": 0, "pt": 0, engine: 2}, index  # each line has two sentences
             await page.evaluate("document.getElementById('now').dataset.kind = ''")
+        assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+async def cached_two_models(two_models: tuple[str, GatewayState], tmp_path_factory: pytest.TempPathFactory
+                            ) -> AsyncIterator[tuple[str, GatewayState]]:
+    """A second gateway on the same two engines, with the phrase cache (`marked`: lines sent `cache: true`)."""
+    import dataclasses
+
+    shared = two_models[1]
+    assert shared.synthesizer is not None
+    config = dataclasses.replace(shared.config, phrase_cache="marked",
+                                 phrase_cache_dir=str(tmp_path_factory.mktemp("phrases")))
+    async with running(config, shared.synthesizer) as server:
+        yield server
+
+
+def hits(gateway: GatewayState) -> float:
+    return gateway.metrics.registry.get_sample_value("orpheus_phrase_cache_hits_total") or 0.0
+
+
+@pytest.mark.engine
+async def test_mixed_utterance_spans_go_through_the_phrase_cache_by_their_own_voices(
+        cached_two_models: tuple[str, GatewayState]) -> None:
+    """A scripted mixed EN+PT line: each span's sentences are kept under their own voice (so their own model); said
+    again, on the data channel or the speech route, it asks no engine, its words still placed in the text as sent."""
+    base_url, gateway = cached_two_models
+    peer = HeadlessPeer(base_url)
+    await peer.connect()
+    try:
+        before, hit = counts(gateway), hits(gateway)
+        peer.speak("m1", MIXED, cache=True)
+        await peer.wait_event("done", "m1", timeout=180)
+        assert added(before, gateway) == {"en": 2, "pt": 1}
+        peer.speak("m2", MIXED, cache=True)
+        await peer.wait_event("done", "m2", timeout=60)
+        assert added(before, gateway) == {"en": 2, "pt": 1} and hits(gateway) == hit + 3
+        assert [[w["text"] for w in ws] for ws in words_of(peer, "m2")] == \
+            [["Good", "morning"], ["The", "word", "for", "station", "is"], ["estação"]]
+        assert all(MIXED[w["char_start"]:w["char_end"]] == w["text"] for ws in words_of(peer, "m2") for w in ws)
+        async with aiohttp.ClientSession(base_url) as client:
+            resp = await client.post("/v1/audio/speech", json={"input": MIXED, "voice": "tara", "cache": True,
+                                                               "response_format": "pcm"})
+            assert resp.status == 200 and len(await resp.read()) > 0
+        assert added(before, gateway) == {"en": 2, "pt": 1} and hits(gateway) == hit + 6
+    finally:
+        await peer.close()
+    assert not peer.protocol_violations
+
+
+@pytest.mark.engine
+@pytest.mark.browser
+@needs_chromium
+async def test_prefetch_by_language_makes_the_lines_the_page_and_the_speech_route_then_hit(
+        cached_two_models: tuple[str, GatewayState]) -> None:
+    """With the phrase cache: a prefetch by `language` is made by that language's engine and the speech route's
+    request with the same language hits it; the page prefetches its PT lines by the PT route and its EN lines by
+    the EN one, so clicking a line asks no engine."""
+    base_url, gateway = cached_two_models
+    phrases = gateway.phrases
+    assert phrases is not None
+    async with aiohttp.ClientSession(base_url) as client:
+        before, hit = counts(gateway), hits(gateway)
+        body = {"texts": ["Até amanhã."], "language": "pt"}
+        assert (await (await client.post("/v1/audio/prefetch", json=body)).json())["pending"] == body["texts"]
+        await asyncio.wait_for(phrases.prefetch_idle(), 120)
+        assert added(before, gateway) == {"en": 0, "pt": 1}
+        resp = await client.post("/v1/audio/speech", json={"input": "Até amanhã.", "language": "pt-BR",
+                                                           "cache": True, "response_format": "pcm"})
+        assert resp.status == 200 and len(await resp.read()) > 0
+        assert added(before, gateway) == {"en": 0, "pt": 1} and hits(gateway) == hit + 1
+    async with chromium() as browser:
+        page = await browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        await page.goto(f"{base_url}/")
+        await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+
+        async def stored() -> list[bool]:  # the lesson's sentences, each keyed by the voice that will say it
+            return [await phrases.lookup(phrases.key(voice, sentence)) is not None
+                    for voice, line in LESSON_ROUTES for sentence in split_sentences(line, 300)]
+
+        already, before = await stored(), counts(gateway)  # the mixed line's "Good morning!" may be there
+        await page.click("#connect")
+        await page.wait_for_selector('body[data-state="ready"]', timeout=30_000)
+        async with asyncio.timeout(300):
+            while not all(await stored()):  # noqa: ASYNC110 (the store signals nothing)
+                await asyncio.sleep(0.2)
+        await asyncio.wait_for(phrases.prefetch_idle(), 120)
+        voices = [voice for voice, line in LESSON_ROUTES for _ in split_sentences(line, 300)]
+        assert added(before, gateway) == {  # each sentence made once, by its own line's language's engine
+            model: sum(1 for voice, there in zip(voices, already, strict=True)
+                       if not there and (voice == "rui") == (model == "pt")) for model in ("en", "pt")}
+        for index in range(2):  # a PT line, then an EN line: both made already
+            before = counts(gateway)
+            await page.locator(".phrase").nth(index).click()
+            await page.wait_for_selector('#now[data-kind="done"]', timeout=60_000)
+            assert added(before, gateway) == {"en": 0, "pt": 0}, index
+            await page.evaluate("document.getElementById('now').dataset.kind = ''")
+        assert hits(gateway) == hit + 1 + 4  # each line's two sentences
         assert not errors, errors
 
 

@@ -33,7 +33,7 @@ from gateway.cluster.addressing import (
 from gateway.cluster.workers import worker_config
 from gateway.config import GatewayConfig
 from gateway.model_table import table_file
-from gateway.service.admission import clear_stream_count, create_stream_counts
+from gateway.service.admission import clear_stream_count, create_stream_counts, stream_count_columns
 from gateway.speech.codec.server import CodecServerSettings, codec_server_env
 from gateway.speech.engine import vllm_serve_flags
 from gateway.speech.synthesizer import decoder_settings
@@ -123,7 +123,8 @@ class Supervisor:
         self._own_folder = not given
         self.children: list[Child] = []
         self.stream_counts = Path(self.sockets) / STREAM_COUNTS_NAME
-        create_stream_counts(self.stream_counts, workers)
+        self.count_columns = stream_count_columns(config)
+        create_stream_counts(self.stream_counts, workers, self.count_columns)
         urls = list(config.vllm_urls)
         snac_socket = config.snac_socket
         if config.snac_placement == "shared":  # one SNAC process decodes for every worker
@@ -178,7 +179,7 @@ class Supervisor:
                         assert child.proc is not None
                         log.error("%s exited with %s; restarting", child.name, child.proc.returncode)
                         if child.worker_index is not None:  # its utterances ended with it
-                            clear_stream_count(self.stream_counts, child.worker_index)
+                            clear_stream_count(self.stream_counts, child.worker_index, self.count_columns)
                         time.sleep(RESTART_DELAY_S)
                         child.restarts += 1
                         child.start()

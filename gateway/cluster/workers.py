@@ -31,7 +31,7 @@ from gateway.cluster.addressing import (
 from gateway.cluster.forwarding import forward_to_owner
 from gateway.cluster.lifecycle import until_stop_signal
 from gateway.config import GatewayConfig, validate
-from gateway.service.admission import StreamCounts
+from gateway.service.admission import StreamCounts, stream_count_columns
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
     """One worker: the whole gateway app on the shared public port and on its own Unix socket."""
     from gateway.edge.app import create_app
 
-    counts = StreamCounts(Path(sockets) / STREAM_COUNTS_NAME, index)
+    counts = StreamCounts(Path(sockets) / STREAM_COUNTS_NAME, index, stream_count_columns(config))
     app = create_app(config, session_id_prefix=session_prefix(index), stream_counts=counts)
     app.middlewares.append(forward_to_owner)
     runner = web.AppRunner(app, access_log=None)
@@ -66,7 +66,8 @@ async def serve_worker(config: GatewayConfig, index: int, sockets: str) -> None:
         await until_stop_signal()
     finally:
         await runner.cleanup()
-        counts.publish(0)
+        for column in range(counts.columns):
+            counts.publish(0, column)
         counts.close()
 
 

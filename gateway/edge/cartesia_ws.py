@@ -6,9 +6,11 @@ Client -> gateway, one JSON object per text message (at most `config.max_body_by
   "output_format"?: {"container": "raw", "encoding": "pcm_s16le" | "pcm_f32le", "sample_rate": 8000..48000},
   "add_timestamps"?: false, "language"?}`: text for context `context_id` (opened by its first message, whose voice,
   output format and timestamps hold for the whole context); `continue: true` says more text follows, `false` (or
-  absent) closes it (an empty transcript with `continue: false` is the flush). Ignored: `model_id` (one model
-  here), `language` (the voice's language is used), `generation_config`, `max_buffer_delay_ms`,
-  `use_normalized_timestamps`, `add_phoneme_timestamps`, `pronunciation_dict_id`.
+  absent) closes it (an empty transcript with `continue: false` is the flush). `language` (Cartesia's ISO code,
+  `en`, `pt`, or any BCP-47 tag) routes as the speech route's does (`gateway.model_table`): alone, that language's
+  model speaks with its default voice; with a voice, that voice's model must serve it. Ignored: `model_id` (the
+  voice names its model), `generation_config`, `max_buffer_delay_ms`, `use_normalized_timestamps`,
+  `add_phoneme_timestamps`, `pronunciation_dict_id`.
 - `{"context_id", "cancel": true}`: stop that context now; its engine request is aborted.
 
 Gateway -> client (every message has `context_id`, `status_code`, `done`):
@@ -117,8 +119,11 @@ def _options(message: dict[str, Any], contexts: ContextSet) -> ContextOptions:
     timestamps = message.get("add_timestamps", False)
     if not isinstance(timestamps, bool):
         raise DoorError("invalid_add_timestamps", "add_timestamps must be true or false")
-    return ContextOptions(voice=contexts.resolve_voice(voice_id), sample_rate=int(rate), encoding=encoding,
-                          timestamps=timestamps)
+    language = message.get("language")
+    if language is not None and not isinstance(language, str):
+        raise DoorError("invalid_language", "language must be a language code such as en or pt")
+    return ContextOptions(voice=contexts.resolve_voice(voice_id, language), sample_rate=int(rate),
+                          encoding=encoding, timestamps=timestamps)
 
 
 def handle_message(raw: str, contexts: ContextSet) -> str | None:

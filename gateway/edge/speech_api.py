@@ -257,17 +257,18 @@ async def speech(request: web.Request) -> web.StreamResponse:
     except SpeechRequestError as exc:
         return openai_error(400, exc.code, str(exc), exc.param)
     try:
-        slot = gateway.admission.admit_stream()
+        slot = gateway.admission.admit_stream(speech_request.voice)
     except CapacityError as exc:
         metrics.speech_requests_total.labels("503").inc()
-        metrics.rejections_total.labels(exc.code).inc()
+        metrics.refused(exc)
         return openai_error(503, exc.code, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
     stats = UtteranceStats()
     phrases = gateway.phrases
     chunks: AsyncGenerator[AudioChunk, None]
     if phrases is not None and phrases.applies(speech_request.cache):  # hits from the cache, misses made once
-        sentences = split_sentences(speech_request.text, synthesizer.config.max_sentence_chars)
+        # `<lang>` spans: each span's sentences keyed and made by its own voice
+        sentences = voiced_sentences(synthesizer.config, speech_request.text, speech_request.voice)
         chunks = cached_sentences(phrases, synthesizer, sentences, speech_request.voice, stats=stats,
                                   seed=speech_request.seed)
     else:

@@ -117,9 +117,10 @@ class ContextSet:
             raise DoorError("engine_unavailable", "the speech engine is not ready", 503)
         return synthesizer
 
-    def resolve_voice(self, voice: str | None) -> str:
+    def resolve_voice(self, voice: str | None, language: str | None = None) -> str:
+        """The voice a context's `voice` and/or `language` (BCP-47 or ISO 639-1) route to, as the speech route's."""
         try:
-            return self.synthesizer().resolve_voice(voice)
+            return self.synthesizer().resolve_voice(voice, language)
         except InvalidRequestError as exc:
             raise DoorError(exc.code, str(exc)) from None
 
@@ -165,9 +166,9 @@ class ContextSet:
             raise DoorError("too_many_contexts", f"at most {self.max_contexts} contexts may be open on one socket")
         self.synthesizer()  # refuse before taking a slot
         try:
-            slot = self.gateway.admission.admit_stream()
+            slot = self.gateway.admission.admit_stream(options.voice)
         except CapacityError as exc:
-            self.gateway.metrics.rejections_total.labels(exc.code).inc()
+            self.gateway.metrics.refused(exc)
             raise DoorError(exc.code, str(exc), 503) from None
         utterance = Utterance(context_id, options.voice, time.monotonic())
         context = StreamContext(context_id, options, utterance, slot, stats=UtteranceStats(started=time.monotonic()))

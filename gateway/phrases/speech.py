@@ -3,7 +3,8 @@ engine request) or a miss (made by a single flight, which it may share with othe
 
 `cached_sentences` yields the synthesizer's `AudioChunk`s, so its callers treat both alike; a hit's chunk is a
 `CachedChunk` carrying its entry (the stored word timings and visemes). Sentence k+1 is looked up once sentence
-k's audio is complete, as the synthesizer starts a sentence's generation once the previous one's is done.
+k's audio is complete, as the synthesizer starts a sentence's generation once the previous one's is done. A
+`VoicedSentence` (a span of mixed-language text) is keyed and made by its own voice, so by its own model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from gateway.phrases.cache import PhraseCache
 from gateway.phrases.entry import PhraseEntry
-from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, aiter_of
+from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, VoicedSentence, aiter_of
 
 
 @dataclass
@@ -24,17 +25,19 @@ class CachedChunk(AudioChunk):
     entry: PhraseEntry | None = None
 
 
-async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer, sentences: Iterable[str] |
-                           AsyncIterable[str], voice: str, *, stats: UtteranceStats,
-                           seed: int | None = None) -> AsyncIterator[AudioChunk]:
-    """Audio chunks of `sentences` (already split), hits from the cache and misses from single flights; `stats`
-    gets first audio, first token and the tokens of the flights this request led or followed."""
+async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer,
+                           sentences: Iterable[str | VoicedSentence] | AsyncIterable[str | VoicedSentence],
+                           voice: str, *, stats: UtteranceStats, seed: int | None = None) -> AsyncIterator[AudioChunk]:
+    """Audio chunks of `sentences` (already split; a `VoicedSentence` by its own voice), hits from the cache and
+    misses from single flights; `stats` gets first audio, first token and the tokens of the flights this request
+    led or followed."""
     index = 0
     async for raw in aiter_of(sentences):
-        sentence = raw.strip()
+        text, sentence_voice = (raw.text, raw.voice) if isinstance(raw, VoicedSentence) else (raw, voice)
+        sentence = text.strip()
         if not sentence:
             continue
-        key = cache.key(voice, sentence, seed)
+        key = cache.key(sentence_voice, sentence, seed)
         entry = None if key.digest in cache.flights else await cache.lookup(key)
         if entry is not None:
             cache.metrics.hits_total.inc()

@@ -124,16 +124,16 @@ class Played(msgspec.Struct, tag_field="type", tag="played", kw_only=True, omit_
 
 
 MAX_PREFETCH_TEXTS = 64
-LanguageName = Annotated[str, msgspec.Meta(min_length=1, max_length=32, description="espeak-ng language name.")]
 
 
 class Prefetch(msgspec.Struct, tag_field="type", tag="prefetch", kw_only=True, omit_defaults=True):
     """Lines about to be spoken (a lesson's next lines): the gateway makes those not in the phrase cache while the
-    engine has room, and answers `prefetched`. `language`: that of their word timings (default: as for `speak`)."""
+    engine has room, and answers `prefetched`. `voice` and `language` route as `speak`'s do: a later `speak` with
+    the same ones finds the lines made."""
 
     texts: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_PREFETCH_TEXTS)]
     voice: VoiceName | None = None
-    language: LanguageName | None = None
+    language: LanguageTag | None = None
 
 
 ClientMessage = Speak | Cancel | Ping | Repeat | Played | Prefetch

@@ -34,7 +34,7 @@ from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot, TokenBucket
 from gateway.speech.errors import EngineUnavailableError, InvalidRequestError
 from gateway.speech.language_spans import has_markup, parse_spans
-from gateway.speech.synthesizer import Synthesizer, check_text, choose_voice, resolve_voice, span_voices
+from gateway.speech.synthesizer import Synthesizer, check_text, choose_voice, span_voices
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,7 @@ class Session:
             existing.add_text(message.text, message.more)  # a further piece of text still being written
             return
 
-        voice = self.voice if not (message.voice or message.language) else \
-            _checked(choose_voice, self.config, message.voice, message.language, utterance_id=utterance_id)
+        voice = self._voice_of(message.voice, message.language, utterance_id)
         _checked(check_text, message.text, limit, allow_empty=message.more, utterance_id=utterance_id)
         rate = self.timelines.check_rate(message.rate, utterance_id)
         utterance = Utterance(utterance_id, voice, time.monotonic(), SentenceSplitter(self.config.max_sentence_chars),
@@ -200,6 +199,13 @@ class Session:
             utterance.add_text(message.text, message.more)
         self._admit(utterance, message.interrupt)
 
+    def _voice_of(self, voice: str | None, language: str | None, utterance_id: str | None) -> str:
+        """The voice a message's `voice` and/or `language` route to (`speak`, `prefetch`); neither: the
+        session's."""
+        if not (voice or language):
+            return self.voice
+        return _checked(choose_voice, self.config, voice, language, utterance_id=utterance_id)
+
     def prefetch(self, message: Prefetch) -> None:
         """Queue the lines not in the phrase cache to be made while the engine has room; `prefetched` says which
         are ready."""
@@ -207,7 +213,7 @@ class Session:
         if synthesizer is None:
             raise ProtocolError(EngineUnavailableError.code, "the speech engine is still starting", None,
                                 EngineUnavailableError.retry_after_s)
-        voice = _checked(resolve_voice, self.config.voice_list, self.voice, message.voice, utterance_id=None)
+        voice = self._voice_of(message.voice, message.language, None)
         for text in message.texts:
             _checked(check_text, text, self.config.max_text_chars, utterance_id=None)
         phrases = self.services.phrases
@@ -220,7 +226,7 @@ class Session:
 
     async def _prefetch(self, phrases: PhraseCache, synthesizer: Synthesizer, message: Prefetch, voice: str) -> None:
         try:
-            ready = await phrases.prefetch(synthesizer, message.texts, voice, message.language)
+            ready = await phrases.prefetch(synthesizer, message.texts, voice)
         except Exception:  # a bug must cost this message, never the session
             log.exception("session %s: prefetch failed", self.id)
             self.send_error("internal_error", "the prefetch could not be handled")

@@ -77,9 +77,9 @@ class Speaker:
             slot = None
             if utterance.replay is None:
                 try:
-                    slot = self.services.admission.admit_stream()
+                    slot = self.services.admission.admit_stream(utterance.voice)
                 except CapacityError as exc:
-                    metrics.rejections_total.labels(exc.code).inc()
+                    metrics.refused(exc)
                     self._fail(utterance, exc.code, str(exc), "rejected", retry_after_s=exc.retry_after_s)
                     continue
             self.current = utterance
@@ -111,7 +111,7 @@ class Speaker:
             playout_lead_runs=functools.partial(self.track.lead_runs, utterance.id))
         phrases = self.services.phrases
         # Hits from the phrase cache, misses made once; a mixed-language utterance's spans go to their own voices.
-        if phrases is not None and phrases.applies(utterance.cache) and not utterance.mixed:
+        if phrases is not None and phrases.applies(utterance.cache):
             chunks = cached_sentences(phrases, synthesizer, utterance.sentence_stream(), utterance.voice, stats=stats)
         else:
             chunks = synthesizer.utterance(utterance.sentence_stream(), utterance.voice, stats=stats)

@@ -10,6 +10,7 @@ class CapacityError(Exception):
 
     code = AT_CAPACITY
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
+    def __init__(self, message: str, retry_after_s: int, model: str | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.model = model  # refused at this model's own limit (several models served); None: the gateway's

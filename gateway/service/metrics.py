@@ -17,6 +17,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from gateway.service.errors import CapacityError
+
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -165,6 +167,8 @@ class Metrics:
         # Refusals by error code (at_capacity, rate_limited, missing_token, ...): the operator's overload signal.
         self.rejections_total = Counter("orpheus_rejections_total", "Requests and messages refused, by code.",
                                         ["code"], registry=r)
+        self.model_refusals_total = Counter("orpheus_model_refusals_total", "Utterances refused at their model's "
+                                            "own limit (several models served).", ["model"], registry=r)
         # Lessons: how word timings were made (aligned vs estimated: how often the aligner was busy or late),
         # and what the pages say they played (`played` messages: the student's side of the heard report).
         self.word_timings_total = Counter("orpheus_word_timings_total", "Sentences given word timings, by source "
@@ -175,6 +179,12 @@ class Metrics:
 
         self.phrases = PhraseCacheMetrics(r)
         self._models: _ModelCollector | None = None
+
+    def refused(self, error: CapacityError) -> None:
+        """A request or utterance refused at capacity: by its code, and by model where its model's limit was hit."""
+        self.rejections_total.labels(error.code).inc()
+        if error.model is not None:
+            self.model_refusals_total.labels(error.model).inc()
 
     def observe_synthesis(self, tokens: int, audio_s: float, synthesis_s: float | None) -> None:
         """One utterance made (HTTP or WebRTC): its tokens, its audio and, when it has audio, its real-time factor

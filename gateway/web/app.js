@@ -6,7 +6,7 @@
 import { Avatar } from './avatar.js';
 import { TutorConnection } from './connection.js';
 import { SpokenUtterance, heardRtp, highlightWord, renderWords } from './karaoke.js';
-import { SLOW_RATE, forgetRecordings, phraseRoute, prefetchMessage, renderPhrases } from './lesson.js';
+import { SLOW_RATE, forgetRecordings, phraseRoute, prefetchMessages, renderPhrases } from './lesson.js';
 import { connectErrorMessage, eventErrorMessage, lostMessage } from './messages.js';
 import { jitterBufferMaxMs, loadProtocolSchema } from './protocol.js';
 import { Reconnector, isRetryable, reconnectsAfter } from './reconnect.js';
@@ -363,7 +363,8 @@ function onMessage(msg) {
       reconnector.reset(); // up: a later loss starts from the first attempt
       lessonUp = true;
       fillVoices(msg.voices, msg.voice);
-      connection?.send(prefetchMessage(msg.voice)); // the script's lines, made while the engine has room
+      // The script's lines, made while the engine has room, by the voice and language each line's speak names.
+      for (const message of prefetchMessages(msg.voice, served)) connection?.send(message);
       setState('ready');
       if (waited) clearError();
       setNow(again ? 'Connected again. Your tutor is ready: pick a phrase to hear it!'

@@ -11,13 +11,21 @@ export const PHRASES = [
   { lang: 'en', text: 'Thank you, see you tomorrow.', meaning: 'Obrigado, até amanhã.' },
 ];
 
-/** The `prefetch` message of the lesson's script: the gateway makes the lines its phrase cache lacks while the
- *  engine has room, so each button starts without an engine request (answered by `prefetched`). */
-export function prefetchMessage(voice) {
-  const message = { type: 'prefetch', texts: PHRASES.map((phrase) => phrase.text) };
-  if (voice) message.voice = voice;
-  return message;
+/** The `prefetch` messages of the lesson's script, one per route (`phraseRoute`: a line is made by the voice
+ *  and language its `speak` will name): the gateway makes the lines its phrase cache lacks while the engine has
+ *  room, so each button starts without an engine request (each answered by `prefetched`). */
+export function prefetchMessages(voice, served) {
+  const byRoute = new Map();
+  for (const phrase of PHRASES) {
+    const route = phraseRoute(phrase, voice, served);
+    const key = `${route.voice ?? ''}|${route.language ?? ''}`;
+    if (!byRoute.has(key)) byRoute.set(key, { type: 'prefetch', texts: [], ...withoutEmpty(route) });
+    byRoute.get(key).texts.push(phrase.text);
+  }
+  return [...byRoute.values()];
 }
+
+const withoutEmpty = (route) => Object.fromEntries(Object.entries(route).filter(([, value]) => value));
 
 const LANGUAGE_NAMES = { pt: 'Português', en: 'English' };
 
