@@ -382,7 +382,7 @@ class PhraseCache:
             if key.digest in self.flights or await self.lookup(key) is not None:
                 return
             try:
-                slot = self.admission.admit_stream()
+                slot = self.admission.admit_stream(key.voice)
             except CapacityError:
                 break
             with slot:
