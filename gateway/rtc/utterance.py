@@ -73,10 +73,6 @@ class Utterance:
         self.sentences.put_nowait(None)
         self.closed = True
 
-    @property
-    def mixed(self) -> bool:
-        return any(language is not None for language in self.languages)
-
     def _put(self, sentence: str | VoicedSentence, language: str | None = None) -> None:
         text = sentence.text if isinstance(sentence, VoicedSentence) else sentence
         start, end = locate(self.text, text, self._cursor)
