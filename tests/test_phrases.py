@@ -410,3 +410,29 @@ async def test_a_leader_that_died_lets_a_follower_make_the_line(
         await asyncio.wait_for(gateway.phrases.prefetch_idle(), 30)
         stored = await gateway.phrases.lookup(gateway.phrases.key(config.voice, text))
         assert stored is not None and len(stored.pcm) > 0  # its own generation, whole, is the entry
+
+
+async def test_a_leader_whose_listeners_left_goes_on_for_a_follower_elsewhere(
+        test_config: GatewayConfig, synthesizer: Synthesizer, tmp_path: Path) -> None:
+    """Two gateways on one phrase folder (as the workers of a host): A leads a line, B follows it through the board;
+    A's only listener hangs up, and A goes on for B: one engine request, and B hears the whole line A stored."""
+    from gateway.phrases.board import pcm_bytes
+
+    engine = synthesizer.engine
+    config = cached_config(test_config, tmp_path)
+    text = "Only the other gateway still listens to this line."
+    async with running(config, synthesizer) as (url_a, gateway_a), running(config, synthesizer) as (url_b, gateway_b), \
+            aiohttp.ClientSession() as http:
+        assert gateway_a.phrases is not None
+        requests = engine.requests_started
+        leader = await http.post(f"{url_a}/v1/audio/speech", json={"input": text, "response_format": "pcm"})
+        assert leader.status == 200
+        follower = asyncio.create_task(speech(http, url_b, text))
+        await wait_until(lambda: metric(gateway_b, "orpheus_phrase_cache_single_flight_joins_total") >= 1, 30)
+        await asyncio.sleep(0.1)  # B's first read of the board, where it says it listens
+        leader.close()
+        made = await asyncio.wait_for(follower, 120)
+        await asyncio.wait_for(gateway_a.phrases.prefetch_idle(), 30)
+        assert engine.requests_started == requests + 1
+        stored = await gateway_a.phrases.lookup(gateway_a.phrases.key(config.voice, text))
+        assert stored is not None and made == pcm_bytes(stored.pcm)

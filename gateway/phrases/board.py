@@ -121,15 +121,20 @@ class LeaderRelay:
                 return
             self.seq += 1
 
+    async def refresh(self) -> None:
+        """Renew the lease now and learn whether a follower elsewhere listens."""
+        if self.failed:
+            return
+        try:
+            if await self.board.renew(self.key, self.owner):
+                self.heard_until = time.monotonic() + LEASE_S
+        except Exception as exc:
+            self._fail("renew", exc)
+
     async def _renew(self) -> None:
-        while True:
+        while not self.failed:
             await asyncio.sleep(RENEW_S)
-            try:
-                if await self.board.renew(self.key, self.owner):
-                    self.heard_until = time.monotonic() + LEASE_S
-            except Exception as exc:
-                self._fail("renew", exc)
-                return
+            await self.refresh()
             self._after_renew()
 
     async def close(self, complete: bool) -> None:

@@ -283,7 +283,7 @@ class PhraseCache:
             try:
                 if await board.claim(digest, owner):
                     flight.relay = LeaderRelay(board, digest, owner, self._board_failed,
-                                               lambda: self._left(flight))
+                                               lambda: self._end_unheard(flight))
                     entry = await self.lookup(flight.key)  # a leader that finished just before the claim
                     if entry is None:
                         return False
@@ -326,8 +326,23 @@ class PhraseCache:
             await relay.close(complete=True)  # after the put: a follower that finds the stream final finds the entry
 
     def _left(self, flight: Flight) -> None:
-        """A follower left (or a leader renewed its lease): an unfinished flight nobody hears, here or elsewhere,
-        ends (the engine request is aborted)."""
+        """A follower left: an unfinished flight nobody hears, here or elsewhere, ends (the engine request is
+        aborted). A leader on the board asks it first whether a follower elsewhere listens."""
+        if flight.heard() or flight.done or flight.task is None:
+            return
+        if flight.relay is not None and not flight.relay.failed:
+            task = asyncio.create_task(self._leave_unless_heard(flight))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        flight.task.cancel()
+
+    async def _leave_unless_heard(self, flight: Flight) -> None:
+        assert flight.relay is not None
+        await flight.relay.refresh()
+        self._end_unheard(flight)
+
+    def _end_unheard(self, flight: Flight) -> None:
         if not flight.heard() and not flight.done and flight.task is not None:
             flight.task.cancel()
 
