@@ -41,8 +41,8 @@ from tests.support import (
     needs_chromium,
     offer_sdp,
     poll_until,
-    wait_until,
     stop_process_group,
+    wait_until,
 )
 
 pytestmark = pytest.mark.engine
