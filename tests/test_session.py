@@ -35,6 +35,7 @@ PACE_WINDOWS = 5  # windows tried before concluding the track re-anchors even wh
 RECEIVE_SLACK_S = 0.1  # the client stamps a frame when its own loop gets to it: up to a few frames late
 STAMPED_FRAMES = 30
 CANCEL_STOP_S = 0.25  # a cancel's last audible frame arrives within this (a frame, and the receive path's buffer)
+CANCEL_BUFFER_MS = 1000  # the cancelled listener's jitter buffer: audio queued ahead that a cancel must drop
 
 
 @pytest.fixture(scope="module")
@@ -149,24 +150,35 @@ async def test_frames_are_stamped_one_packet_after_they_leave(peer: HeadlessPeer
     assert float(np.median(ahead)) <= 1, f"frames released {np.median(ahead)} packets after the one they came in"
 
 
-async def test_cancel_stops_audio_and_aborts_engine(peer: HeadlessPeer, gateway: GatewayState) -> None:
+async def test_cancel_stops_audio_and_aborts_engine(base_url: str, gateway: GatewayState) -> None:
+    """A cancel while the track holds over half a second of the utterance ahead of the listener (a 1 s jitter
+    buffer): none of it is heard past the allowance, and the engine request is aborted."""
     engine = gateway.synthesizer.engine
-    peer.speak("long", LONG_TEXT)
-    await peer.wait_event("started", "long")
-    await wait_until(lambda: bool(peer.audible_frames()), timeout=ARRIVAL_TIMEOUT_S, message="no audio heard")
-    assert engine.in_flight == 1
-    peer.cancel()
-    await peer.wait_event("cancelled", "long")
-    cancelled_at = peer.event_time("cancelled", "long")
-    await wait_until(lambda: engine.in_flight == 0, timeout=5, message="the engine request was not aborted")
-    await wait_until(lambda: engine.unfinished_requests() == 0, timeout=5, message="the engine kept the request")
-    # The server stops within one frame; allow the receive path's own buffering on top. The track goes on with
-    # silence: half a second of it received after that allowance is where audio that went on would be.
-    quiet_from = cancelled_at + CANCEL_STOP_S
-    await wait_until(lambda: bool(peer.frames) and peer.frames[-1].at > quiet_from + 0.5, timeout=ARRIVAL_TIMEOUT_S,
-                     message="no frames received half a second after the cancel")
-    assert not peer.audible_frames(since=quiet_from), "audio continued after cancel"
-    assert not peer.find("done", "long")
+    peer = HeadlessPeer(base_url, jitter_buffer_ms=CANCEL_BUFFER_MS)
+    await peer.connect()
+    try:
+        peer.speak("long", LONG_TEXT)
+        await peer.wait_event("started", "long")
+        track = session_of(gateway, peer).track
+        await wait_until(lambda: bool(peer.audible_frames()) and (track.lead_s("long") or 0.0) > 2 * CANCEL_STOP_S,
+                         timeout=ARRIVAL_TIMEOUT_S,
+                         message=f"not heard while the track held {2 * CANCEL_STOP_S:g} s of the utterance ahead")
+        assert engine.in_flight == 1
+        peer.cancel()
+        await peer.wait_event("cancelled", "long")
+        cancelled_at = peer.event_time("cancelled", "long")
+        await wait_until(lambda: engine.in_flight == 0, timeout=5, message="the engine request was not aborted")
+        await wait_until(lambda: engine.unfinished_requests() == 0, timeout=5,
+                         message="the engine kept the request")
+        # The server stops within one frame; allow the receive path's own buffering on top. The track goes on with
+        # silence: half a second of it received after that allowance is where audio that went on would be.
+        quiet_from = cancelled_at + CANCEL_STOP_S
+        await wait_until(lambda: bool(peer.frames) and peer.frames[-1].at > quiet_from + 0.5,
+                         timeout=ARRIVAL_TIMEOUT_S, message="no frames received half a second after the cancel")
+        assert not peer.audible_frames(since=quiet_from), "audio continued after cancel"
+        assert not peer.find("done", "long")
+    finally:
+        await peer.close()
 
 
 async def test_interrupt_replaces_current_utterance(peer: HeadlessPeer) -> None:
