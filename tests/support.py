@@ -132,6 +132,17 @@ async def running(config: GatewayConfig, synthesizer: Synthesizer) -> AsyncItera
         await server.close()
 
 
+@contextlib.asynccontextmanager
+async def connected_peers(base_url: str, count: int, jitter_buffer_ms: int = 0) -> AsyncIterator[list[HeadlessPeer]]:
+    """`count` headless peers connected to the gateway at `base_url` (together), all closed at the end."""
+    peers = [HeadlessPeer(base_url, jitter_buffer_ms=jitter_buffer_ms) for _ in range(count)]
+    try:
+        await asyncio.gather(*(peer.connect() for peer in peers))
+        yield peers
+    finally:
+        await asyncio.gather(*(peer.close() for peer in peers))
+
+
 async def offer_sdp() -> str:
     """A valid browser-like offer (recvonly audio + `control` data channel); its peer is closed at once."""
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))

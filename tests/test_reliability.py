@@ -63,6 +63,7 @@ from tests.support import (
     SECRET,
     TOKEN,
     ManualClock,
+    connected_peers,
     detached_session,
     offer_sdp,
     running,
@@ -519,9 +520,7 @@ async def test_utterance_over_token_budget_gets_at_capacity_while_the_running_on
     config = dataclasses.replace(test_config, engine_tokens_per_second=1.5 * AUDIO_TOKENS_PER_SECOND)
     async with running(config, synthesizer) as (base, gateway):
         rejected, cancelled = outcomes(gateway, "rejected"), outcomes(gateway, "cancelled")
-        first, second = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
-        await asyncio.gather(first.connect(), second.connect())
-        try:
+        async with connected_peers(base, 2) as (first, second):
             first.speak("long", LONG_TEXT)
             await first.wait_event("started", "long", timeout=EVENT_TIMEOUT_S)
             second.speak("refused", "Me too, please.")
@@ -537,8 +536,6 @@ async def test_utterance_over_token_budget_gets_at_capacity_while_the_running_on
             await wait_until(lambda: gateway.admission.streams == 0, timeout=CLEANUP_TIMEOUT_S)
             second.speak("admitted", "Now it is my turn.")
             await second.wait_event("done", "admitted", timeout=EVENT_TIMEOUT_S)
-        finally:
-            await asyncio.gather(first.close(), second.close())
 
 
 @needs_engine
@@ -548,9 +545,7 @@ async def test_an_utterance_waiting_for_more_text_keeps_its_slot(
     nothing left to generate; another utterance is refused until its last piece has played."""
     config = dataclasses.replace(test_config, max_in_flight_utterances=1)
     async with running(config, synthesizer) as (base, gateway):
-        writer, other = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
-        await asyncio.gather(writer.connect(), other.connect())
-        try:
+        async with connected_peers(base, 2) as (writer, other):
             writer.speak("piecewise", "The first sentence is here. ", more=True)
             await writer.wait_event("started", "piecewise", timeout=EVENT_TIMEOUT_S)
             await wait_until(lambda: synthesizer.engine.in_flight == 0, timeout=EVENT_TIMEOUT_S)
@@ -563,8 +558,6 @@ async def test_an_utterance_waiting_for_more_text_keeps_its_slot(
             await wait_until(lambda: gateway.admission.streams == 0, timeout=CLEANUP_TIMEOUT_S)
             other.speak("admitted", "Now me.")
             await other.wait_event("done", "admitted", timeout=EVENT_TIMEOUT_S)
-        finally:
-            await asyncio.gather(writer.close(), other.close())
 
 
 # --- limits ------------------------------------------------------------------------------------------
@@ -756,9 +749,7 @@ async def test_snac_decode_failure_fails_that_utterance_only(
     monkeypatch.setattr(snac, "bridge", failing_for_the_faulty(snac.bridge))
     async with running(test_config, synthesizer) as (base, gateway):
         failed_before = outcomes(gateway, "failed")
-        healthy, faulty_peer = HeadlessPeer(base, jitter_buffer_ms=0), HeadlessPeer(base, jitter_buffer_ms=0)
-        await asyncio.gather(healthy.connect(), faulty_peer.connect())
-        try:
+        async with connected_peers(base, 2) as (healthy, faulty_peer):
             healthy.speak("ok", "This sentence plays. And so does this one.")
             faulty_peer.speak("broken", "This one loses its decoder.", voice=faulty_voice)
             error = await faulty_peer.wait_event("error", "broken", timeout=EVENT_TIMEOUT_S)
@@ -772,8 +763,6 @@ async def test_snac_decode_failure_fails_that_utterance_only(
             await wait_until(lambda: synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
                              timeout=CLEANUP_TIMEOUT_S)
             await wait_until(lambda: not decoder._streams, timeout=CLEANUP_TIMEOUT_S)  # every slot given back
-        finally:
-            await asyncio.gather(healthy.close(), faulty_peer.close())
 
 
 UTTERANCE_VOICE: contextvars.ContextVar[str] = contextvars.ContextVar("utterance_voice", default="")
@@ -820,9 +809,7 @@ async def test_a_failing_snac_step_fails_every_utterance_in_its_batch(
     monkeypatch.setattr(snac, "step_batch", step_batch)
     voices = ["tara", "leah", "jess"]
     async with running(test_config, synthesizer) as (base, gateway):
-        peers = [HeadlessPeer(base, jitter_buffer_ms=0) for _ in voices]
-        await asyncio.gather(*(p.connect() for p in peers))
-        try:
+        async with connected_peers(base, len(voices)) as peers:
             for i, (peer, voice) in enumerate(zip(peers, voices, strict=True)):
                 peer.speak(f"u{i}", f"Speaker {voice} says a sentence long enough to be stepped.", voice=voice)
             for i, peer in enumerate(peers):
@@ -841,8 +828,6 @@ async def test_a_failing_snac_step_fails_every_utterance_in_its_batch(
             await wait_until(lambda: synthesizer.engine.in_flight == 0 and gateway.admission.streams == 0,
                              timeout=CLEANUP_TIMEOUT_S)
             await wait_until(lambda: not decoder._streams, timeout=CLEANUP_TIMEOUT_S)
-        finally:
-            await asyncio.gather(*(p.close() for p in peers))
 
 
 def failing_snac(synthesizer: Synthesizer, monkeypatch: pytest.MonkeyPatch, good_calls: int) -> list[int]:

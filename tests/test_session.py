@@ -24,7 +24,7 @@ from gateway.media.playout_events import UtteranceStarted
 from gateway.rtc.protocol import MAX_MESSAGE_BYTES
 from gateway.rtc.session import Session
 from gateway.speech.synthesizer import Synthesizer
-from tests.support import wait_until
+from tests.support import connected_peers, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -224,9 +224,7 @@ async def test_streamed_text_in_pieces(peer: HeadlessPeer) -> None:
 
 
 async def test_eight_peers_each_hear_their_own(base_url: str, gateway: GatewayState) -> None:
-    peers = [HeadlessPeer(base_url, jitter_buffer_ms=0) for _ in range(8)]
-    await asyncio.gather(*(p.connect() for p in peers))
-    try:
+    async with connected_peers(base_url, 8) as peers:
         for i, p in enumerate(peers):
             p.speak(f"peer{i}", f"I am student number {i}.")
         await asyncio.gather(*(p.wait_event("done", f"peer{i}", timeout=120) for i, p in enumerate(peers)))
@@ -234,8 +232,6 @@ async def test_eight_peers_each_hear_their_own(base_url: str, gateway: GatewaySt
             ids = {e.message.get("id") for e in p.events if "id" in e.message}
             assert ids == {f"peer{i}"}, "no peer receives another's events"
             assert p.audible_frames(), "every peer received audio"
-    finally:
-        await asyncio.gather(*(p.close() for p in peers))
 
 
 async def test_jitter_buffer_holds_first_frame_until_filled(base_url: str, gateway: GatewayState) -> None:
