@@ -397,7 +397,7 @@ async def test_a_leader_that_died_lets_a_follower_make_the_line(
         heard = entry(samples=1200).pcm
         try:
             assert await board.claim(digest, "dead-leader")
-            await board.append(digest, "dead-leader", 0, pcm_bytes(heard), False)
+            await board.append(digest, "dead-leader", 0, [(pcm_bytes(heard), False)])
             requests = engine.requests_started
             started = time.monotonic()
             body = await speech(http, base_url, text)

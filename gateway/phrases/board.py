@@ -54,7 +54,9 @@ class FlightBoard(Protocol):
         """Extend `owner`'s lease; whether a follower elsewhere said it listens within `LEASE_S`."""
         ...
 
-    async def append(self, key: str, owner: str, seq: int, pcm: bytes, last: bool) -> None: ...
+    async def append(self, key: str, owner: str, seq: int, chunks: list[tuple[bytes, bool]]) -> None:
+        """Add `owner`'s chunks numbered from `seq` (little-endian int16 PCM, last of sentence)."""
+        ...
 
     async def finish(self, key: str, owner: str, seq: int, complete: bool) -> None:
         """End `owner`'s flight: with the final marker at `seq` (complete), or abandoned; the lease is freed."""
@@ -85,8 +87,9 @@ PublishFrom = Callable[[np.ndarray, bool, int], None]
 
 
 class LeaderRelay:
-    """A leader's side: its chunks appended in order by one writer task, its lease renewed, its end marked.
-    A board call that fails ends the relay (followers elsewhere see the lease expire); the flight goes on."""
+    """A leader's side: its chunks appended in order by one writer task (what queued meanwhile in one call), its
+    lease renewed, its end marked. A board call that fails ends the relay (followers elsewhere see the lease
+    expire); the flight goes on."""
 
     def __init__(self, board: FlightBoard, key: str, owner: str, on_failure: Callable[[str, BaseException], None],
                  after_renew: Callable[[], None]) -> None:
@@ -113,13 +116,20 @@ class LeaderRelay:
             self._on_failure(call, exc)
 
     async def _write(self) -> None:
-        while (item := await self._queue.get()) is not None:
-            try:
-                await self.board.append(self.key, self.owner, self.seq, *item)
-            except Exception as exc:
-                self._fail("append", exc)
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            chunks = [item for item in batch if item is not None]
+            if chunks:
+                try:
+                    await self.board.append(self.key, self.owner, self.seq, chunks)
+                except Exception as exc:
+                    self._fail("append", exc)
+                    return
+                self.seq += len(chunks)
+            if None in batch:
                 return
-            self.seq += 1
 
     async def refresh(self) -> None:
         """Renew the lease now and learn whether a follower elsewhere listens."""

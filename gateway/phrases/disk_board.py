@@ -61,8 +61,9 @@ class DiskBoard:
     async def renew(self, key: str, owner: str) -> bool:
         return await self._run(self._renew, key, owner)
 
-    async def append(self, key: str, owner: str, seq: int, pcm: bytes, last: bool) -> None:
-        await self._run(self._append, key, owner, seq, pcm, last, False)
+    async def append(self, key: str, owner: str, seq: int, chunks: list[tuple[bytes, bool]]) -> None:
+        rows = [(key, owner, seq + n, pcm, int(last), 0) for n, (pcm, last) in enumerate(chunks)]
+        await self._run(self._insert, rows)
 
     async def finish(self, key: str, owner: str, seq: int, complete: bool) -> None:
         await self._run(self._finish, key, owner, seq, complete)
@@ -99,13 +100,21 @@ class DiskBoard:
         row = db.execute("SELECT heard FROM flights WHERE key = ? AND owner = ?", (key, owner)).fetchone()
         return row is not None and row[0] > now - LEASE_S
 
-    def _append(self, key: str, owner: str, seq: int, pcm: bytes, last: bool, final: bool) -> None:
-        self._connect().execute("INSERT OR REPLACE INTO flight_chunks VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                (key, owner, seq, pcm, int(last), int(final), time.time()))
+    def _insert(self, rows: list[tuple[str, str, int, bytes, int, int]]) -> None:
+        db = self._connect()
+        now = time.time()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany("INSERT OR REPLACE INTO flight_chunks VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [(*row, now) for row in rows])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     def _finish(self, key: str, owner: str, seq: int, complete: bool) -> None:
         if complete:
-            self._append(key, owner, seq, b"", False, True)
+            self._insert([(key, owner, seq, b"", 0, 1)])
         db = self._connect()
         db.execute("DELETE FROM flights WHERE key = ? AND owner = ?", (key, owner))
         # Streams with no live lease, older than the keep time: finished, abandoned, or their leader died.

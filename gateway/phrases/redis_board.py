@@ -52,19 +52,20 @@ class RedisBoard:
     async def renew(self, key: str, owner: str) -> bool:
         return bool(await self._renew(keys=[self._lease(key), self._listener(key)], args=[owner, LEASE_MS]))
 
-    async def _add(self, key: str, owner: str, seq: int, fields: dict[str, bytes]) -> None:
+    async def _add(self, key: str, owner: str, seq: int, entries: list[dict[str, bytes]]) -> None:
         stream = self._stream(key, owner)
         async with self.client.pipeline(transaction=False) as pipe:
-            pipe.xadd(stream, fields, id=f"{seq + 1}-0")  # type: ignore[arg-type]
+            for n, fields in enumerate(entries):
+                pipe.xadd(stream, fields, id=f"{seq + n + 1}-0")  # type: ignore[arg-type]
             pipe.pexpire(stream, KEEP_MS)
             await pipe.execute()
 
-    async def append(self, key: str, owner: str, seq: int, pcm: bytes, last: bool) -> None:
-        await self._add(key, owner, seq, {"pcm": pcm, "last": b"1" if last else b"0"})
+    async def append(self, key: str, owner: str, seq: int, chunks: list[tuple[bytes, bool]]) -> None:
+        await self._add(key, owner, seq, [{"pcm": pcm, "last": b"1" if last else b"0"} for pcm, last in chunks])
 
     async def finish(self, key: str, owner: str, seq: int, complete: bool) -> None:
         if complete:
-            await self._add(key, owner, seq, {"final": b"1"})
+            await self._add(key, owner, seq, [{"final": b"1"}])
         await self._release(keys=[self._lease(key)], args=[owner])
 
     async def read(self, key: str, owner: str | None, after: int) -> BoardView:
