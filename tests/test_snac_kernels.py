@@ -111,14 +111,15 @@ def test_unit_kernel_in_the_cards_tiles(interpreted: None, channels: int, length
     dw_w, dw_b = torch.randn(channels, 1, 7, generator=g) * 0.3, torch.randn(channels, generator=g)
     pw_w, pw_b = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5, torch.randn(channels, generator=g)
     frame, end, per_frame, delay = torch.tensor([0, 3, 9]), torch.tensor([1 << 40, 4, 1 << 40]), length, 2 * pad
-    y = nnf.conv1d(torch.cat([old_snake, snake(x, alpha1)], dim=2), dw_w, dw_b, dilation=dilation, groups=channels)
+    joined = torch.cat([old_snake, snake(x, alpha1)], dim=2)
+    y = nnf.conv1d(joined, dw_w, dw_b, dilation=dilation, groups=channels)
     y = nnf.conv1d(snake(y, alpha2), pw_w, pw_b) + torch.cat([old_x, x[..., :length - pad]], dim=2)
     pos = (frame * per_frame - delay)[:, None] + torch.arange(length)[None, :]
     valid = ((pos >= 0) & (pos < (end * per_frame)[:, None]))[:, None, :]
     tiles = unit_tiles(channels, length)
     assert tiles[0] < length or tiles[2] < channels  # more than one tile or input block: the card's loops run
     for masked in (False, True):
-        got = residual_unit(x, old_snake, old_x, alpha1, alpha2, dw_w, dw_b, pw_w, pw_b, dilation, frame, end,
-                            per_frame, delay, masked, tiles=tiles)
+        got = residual_unit(joined, x, old_x, alpha2, dw_w, dw_b, pw_w, pw_b, dilation, frame, end, per_frame, delay,
+                            masked, tiles=tiles)
         want = y * valid if masked else y
         assert (got - want).abs().max() < EXACT * 10  # sums over up to 256 channels: float32 rounding

@@ -194,10 +194,11 @@ class DeviceSteps:
                     self._bridge_graphs[frames, size] = StepGraph(run, padding, pool, capture=pool is not None)
 
     def precompile(self) -> None:
-        """With `compile`, compile both step graphs now (a padded step on the scratch slot each) instead of in the
-        first utterance's tick (minutes on a small CPU) or inside a graph capture, so a compiler that cannot work
-        fails at start-up (`load` calls it). A no-op once graphs are set up: their capture compiled them."""
-        if not self.compiled or self._graphs:
+        """With `compile` (or `kernels`), compile both step graphs (or the kernels) now, a padded step on the
+        scratch slot each, instead of in the first utterance's tick (minutes on a small CPU) or inside a graph
+        capture, so a compiler that cannot work fails at start-up (`load` calls it). A no-op once graphs are set
+        up: their capture compiled them."""
+        if not (self.compiled or self.kernels) or self._graphs:
             return
         with torch.inference_mode():
             for masked in (True, False):

@@ -1,9 +1,10 @@
 """Triton kernels of the exact streaming step, used on CUDA in place of the layers they fuse; `layers.DecoderLayers`
 keeps the reference path (CPU and tests) with the same numbers up to the rounding of the step's precision.
 
-`residual_unit`: a whole ResidualUnit step, x + proj(snake2(dwconv7(snake1(x)))) with the history of both
-state pieces and the edge mask, in one pass over the activations: each tile reads its inputs once and writes its
-output once, where the layer-by-layer step makes five passes; the 1x1 projection runs on tensor cores.
+`residual_unit`: a ResidualUnit step after its first Snake, x + proj(snake2(dwconv7(s))) with s = snake1(x) after
+the kept history (written once by the compiled step, as its state needs it), the skip's history and the edge
+mask: each tile reads its inputs once and writes its output once, where the layer-by-layer step makes four more
+passes; the 1x1 projection runs on tensor cores.
 Why: docs/decisions/snac-kernels.md. Exactness: tests/test_snac_kernels.py (the interpreter on a CPU) and
 tools/device/snac_stream_bench.py (the card).
 """
@@ -41,8 +42,8 @@ def _unit_kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def unit_kernel(x_ptr, sx_b, sx_c, sh_ptr, ssh_b, ssh_c, xh_ptr, sxh_b, sxh_c, out_ptr, so_b, so_c,
-                    alpha1_ptr, alpha2_ptr, dw_w_ptr, dw_b_ptr, pw_w_ptr, pw_b_ptr, frame_ptr, end_ptr,
+    def unit_kernel(joined_ptr, sj_b, sj_c, x_ptr, sx_b, sx_c, xh_ptr, sxh_b, sxh_c, out_ptr, so_b, so_c,
+                    alpha2_ptr, dw_w_ptr, dw_b_ptr, pw_w_ptr, pw_b_ptr, frame_ptr, end_ptr,
                     length, per_frame, delay,
                     C: tl.constexpr, K: tl.constexpr, DIL: tl.constexpr,  # noqa: N803 - Triton's style
                     MASKED: tl.constexpr, HAS_DW_BIAS: tl.constexpr, HAS_PW_BIAS: tl.constexpr,  # noqa: N803
@@ -52,29 +53,24 @@ def _unit_kernel() -> Any:
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         co = tl.program_id(2) * BLOCK_CO + tl.arange(0, BLOCK_CO)
         t_ok = t < length
-        hist = (K - 1) * DIL  # snake1(x) history kept in the state
         delayed = (K - 1) // 2 * DIL  # x history kept for the residual skip: the conv's padding
         acc = tl.zeros((BLOCK_CO, BLOCK_T), dtype=tl.float32)
+        joined_row = joined_ptr + row * sj_b
         for ci0 in range(0, C, BLOCK_CI):
             ci = ci0 + tl.arange(0, BLOCK_CI)
-            a1 = tl.load(alpha1_ptr + ci).to(tl.float32)[:, None]
-            inv1 = 1.0 / (a1 + 1e-9)
             h = tl.zeros((BLOCK_CI, BLOCK_T), dtype=tl.float32)
             for k in tl.static_range(K):
-                j = t + k * DIL  # index into history ++ fresh
-                in_hist = j < hist
-                old = tl.load(sh_ptr + row * ssh_b + ci[:, None] * ssh_c + j[None, :],
-                              mask=(in_hist & t_ok)[None, :], other=0.0).to(tl.float32)
-                new = tl.load(x_ptr + row * sx_b + ci[:, None] * sx_c + (j - hist)[None, :],
-                              mask=((~in_hist) & t_ok)[None, :], other=0.0).to(tl.float32)
-                s = tl.sin(a1 * new)
-                new = new + inv1 * s * s
-                w = tl.load(dw_w_ptr + ci * K + k).to(tl.float32)[:, None]
-                h += tl.where(in_hist[None, :], old, new) * w
+                tap = tl.load(joined_row + ci[:, None] * sj_c + (t + k * DIL)[None, :], mask=t_ok[None, :],
+                              other=0.0).to(tl.float32)
+                h += tap * tl.load(dw_w_ptr + ci * K + k).to(tl.float32)[:, None]
             if HAS_DW_BIAS:
                 h += tl.load(dw_b_ptr + ci).to(tl.float32)[:, None]
             a2 = tl.load(alpha2_ptr + ci).to(tl.float32)[:, None]
-            s2 = tl.sin(a2 * h)
+            if LOW_PRECISION:  # the SFU's sine: error ~1e-6, far below bfloat16's rounding
+                s2 = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [a2 * h], dtype=tl.float32,
+                                               is_pure=True, pack=1)
+            else:
+                s2 = tl.sin(a2 * h)
             h = h + (1.0 / (a2 + 1e-9)) * s2 * s2
             w_pw = tl.load(pw_w_ptr + co[:, None] * C + ci[None, :])
             if LOW_PRECISION:
@@ -114,20 +110,22 @@ def unit_tiles(channels: int, length: int, interpreted: bool = False) -> tuple[i
     return block_t, block_co, block_ci, 8 if block_co * block_t >= 8192 else 4
 
 
-def residual_unit(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch.Tensor, alpha1: torch.Tensor,
-                  alpha2: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor | None,
-                  pw_weight: torch.Tensor, pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor,
-                  end: torch.Tensor, per_frame: int, delay: int, masked: bool,
+def residual_unit(joined: torch.Tensor, x: torch.Tensor, x_history: torch.Tensor, alpha2: torch.Tensor,
+                  dw_weight: torch.Tensor, dw_bias: torch.Tensor | None, pw_weight: torch.Tensor,
+                  pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor, end: torch.Tensor,
+                  per_frame: int, delay: int, masked: bool,
                   tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """One ResidualUnit step of B streams: `x` [B, C, L] the fresh input, `snake_history` [B, C, 6 d] the kept
-    snake1 outputs, `x_history` [B, C, 3 d] the kept inputs (time contiguous, any batch/channel strides); weights
-    as `layers._Unit` holds them. With `masked`, outputs outside [0, end * per_frame) at positions
-    frame * per_frame - delay + t are 0 (`delay` counts this unit's padding); `tiles`: `unit_tiles`' choice unless
-    given. Returns [B, C, L] in x's dtype."""
+    """One ResidualUnit step of B streams: `joined` [B, C, 6 d + L] the depthwise convolution's input (the kept
+    snake1 outputs, then snake1 of the fresh input), `x` [B, C, L] the fresh input, `x_history` [B, C, 3 d] the
+    kept inputs (all time contiguous, any batch/channel strides); weights as `layers._Unit` holds them. With
+    `masked`, outputs outside [0, end * per_frame) at positions frame * per_frame - delay + t are 0 (`delay`
+    counts this unit's padding); `tiles`: `unit_tiles`' choice unless given. Returns [B, C, L] in x's dtype."""
     batch, channels, length = x.shape
-    for name, t in (("x", x), ("snake_history", snake_history), ("x_history", x_history)):
+    for name, t in (("joined", joined), ("x", x), ("x_history", x_history)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in time")
+    if joined.shape[-1] != length + (TAPS - 1) * dilation:
+        raise ValueError(f"joined holds {joined.shape[-1]} samples, not {length} + {(TAPS - 1) * dilation}")
     if not (frame.is_contiguous() and end.is_contiguous()):
         raise ValueError("frame and end must be contiguous")
     out = torch.empty((batch, channels, length), dtype=x.dtype, device=x.device)
@@ -135,9 +133,9 @@ def residual_unit(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch
     grid = (batch, -(-length // block_t), -(-channels // block_co))
     dummy = pw_weight  # any tensor: the bias pointers are not read without a bias
     _unit_kernel()[grid](
-        x, x.stride(0), x.stride(1), snake_history, snake_history.stride(0), snake_history.stride(1),
+        joined, joined.stride(0), joined.stride(1), x, x.stride(0), x.stride(1),
         x_history, x_history.stride(0), x_history.stride(1), out, out.stride(0), out.stride(1),
-        alpha1.reshape(-1), alpha2.reshape(-1), dw_weight.reshape(channels, TAPS).contiguous(),
+        alpha2.reshape(-1), dw_weight.reshape(channels, TAPS).contiguous(),
         dummy if dw_bias is None else dw_bias, pw_weight.reshape(channels, channels).contiguous(),
         dummy if pw_bias is None else pw_bias, frame, end, length, per_frame, delay,
         C=channels, K=TAPS, DIL=dilation, MASKED=masked, HAS_DW_BIAS=dw_bias is not None,
@@ -147,18 +145,17 @@ def residual_unit(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch
 
 
 @torch.library.custom_op("orpheus_gateway::snac_residual_unit", mutates_args=())
-def residual_unit_op(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch.Tensor, alpha1: torch.Tensor,
-                     alpha2: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor | None,
-                     pw_weight: torch.Tensor, pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor,
-                     end: torch.Tensor, per_frame: int, delay: int, masked: bool) -> torch.Tensor:
+def residual_unit_op(joined: torch.Tensor, x: torch.Tensor, x_history: torch.Tensor, alpha2: torch.Tensor,
+                     dw_weight: torch.Tensor, dw_bias: torch.Tensor | None, pw_weight: torch.Tensor,
+                     pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor, end: torch.Tensor,
+                     per_frame: int, delay: int, masked: bool) -> torch.Tensor:
     """`residual_unit` as a torch operator: torch.compile keeps it whole (one kernel inside the compiled step)."""
-    return residual_unit(x.contiguous() if x.stride(-1) != 1 else x, snake_history, x_history, alpha1, alpha2,
-                         dw_weight, dw_bias, pw_weight, pw_bias, dilation, frame, end, per_frame, delay, masked)
+    return residual_unit(joined, x, x_history, alpha2, dw_weight, dw_bias, pw_weight, pw_bias, dilation, frame,
+                         end, per_frame, delay, masked)
 
 
 @residual_unit_op.register_fake
-def _(x: torch.Tensor, snake_history: torch.Tensor, x_history: torch.Tensor, alpha1: torch.Tensor,
-      alpha2: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor | None, pw_weight: torch.Tensor,
-      pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor, end: torch.Tensor, per_frame: int,
-      delay: int, masked: bool) -> torch.Tensor:
+def _(joined: torch.Tensor, x: torch.Tensor, x_history: torch.Tensor, alpha2: torch.Tensor, dw_weight: torch.Tensor,
+      dw_bias: torch.Tensor | None, pw_weight: torch.Tensor, pw_bias: torch.Tensor | None, dilation: int,
+      frame: torch.Tensor, end: torch.Tensor, per_frame: int, delay: int, masked: bool) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)

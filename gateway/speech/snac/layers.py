@@ -361,8 +361,16 @@ class DecoderLayers:
             pos = positions(per_frame, delay, x.shape[-1])
             x = self._noise(b, layer, mask(x, per_frame, delay, pos), seeds, pos)
             for u in b.units:
-                if self.kernels:
-                    x, delay = self._fused_unit(u, x, take(), take(), tails, frame, end, per_frame, delay, masked)
+                if self.kernels:  # snake1 and its history by `exchange`, the rest in one kernel
+                    from gateway.speech.snac.kernels import residual_unit_op
+
+                    joined = exchange(u.snake1(x))
+                    x_old = take()
+                    tails.append(x[..., x.shape[-1] - x_old.shape[-1]:].reshape(batch, -1))
+                    delay += u.conv.pad
+                    x = residual_unit_op(joined, x, x_old, u.snake2.alpha, u.conv.weight, u.conv.bias,
+                                         u.proj.weight, u.proj.bias, u.conv.dilation, frame, end, per_frame, delay,
+                                         masked)
                     continue
                 y = u.proj.valid(u.snake2(u.conv.valid(exchange(u.snake1(x)))))
                 delay += u.conv.pad
@@ -371,22 +379,3 @@ class DecoderLayers:
         delay += self.final.pad
         assert delay == self.delay and offset == state.shape[1]
         return audio, torch.cat(tails, dim=1)
-
-    @staticmethod
-    def _fused_unit(u: _Unit, x: torch.Tensor, snake_old: torch.Tensor, x_old: torch.Tensor,
-                    tails: list[torch.Tensor], frame: torch.Tensor, end: torch.Tensor, per_frame: int, delay: int,
-                    masked: bool) -> tuple[torch.Tensor, int]:
-        """A residual unit's step by the fused kernel: the same state pieces (snake1's history, x's delayed tail)
-        and output as the layer-by-layer step. Returns the output and the delay after the unit."""
-        from gateway.speech.snac.kernels import residual_unit_op
-
-        batch, length = x.shape[0], x.shape[-1]
-        hist, keep = snake_old.shape[-1], x_old.shape[-1]
-        snake_tail = (u.snake1(x[..., length - hist:]) if length >= hist
-                      else torch.cat([snake_old, u.snake1(x)], dim=2)[..., -hist:])
-        x_tail = x[..., length - keep:] if length >= keep else torch.cat([x_old, x], dim=2)[..., -keep:]
-        tails += [snake_tail.reshape(batch, -1), x_tail.reshape(batch, -1)]
-        delay += u.conv.pad
-        out = residual_unit_op(x, snake_old, x_old, u.snake1.alpha, u.snake2.alpha, u.conv.weight, u.conv.bias,
-                               u.proj.weight, u.proj.bias, u.conv.dilation, frame, end, per_frame, delay, masked)
-        return out, delay
