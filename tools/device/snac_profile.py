@@ -9,7 +9,7 @@ graph's launch savings), each kernel's device time summed per step and grouped i
   gateway's old windows decoder (the baseline);
 - stream: the exact decoder's unmasked step (`StreamingSnac`: gather, decode, scatter, PCM);
 - stream-compiled: the same through torch.compile (`StreamingSnac(compile=True)`);
-- stream-kernels: compiled, its residual units as the fused Triton kernels (the default on a GPU).
+- stream-kernels: compiled, its residual units as the fused Triton kernels (`--snac-kernels`).
 
 The table says what bounds a step: arithmetic (cuDNN/cuBLAS convolutions and GEMMs), PyTorch's generic depthwise
 kernel, elementwise passes (aten, TorchScript-fused Snake, Inductor's Triton), copies, gathers. The JSON keeps

@@ -1,5 +1,5 @@
-"""Triton kernels of the exact streaming step, used on CUDA in place of the layers they fuse; `layers.DecoderLayers`
-keeps the reference path (CPU and tests) with the same numbers up to the rounding of the step's precision.
+"""Triton kernels of the exact streaming step, used with `--snac-kernels` (CUDA) in place of the layers they fuse;
+`layers.DecoderLayers` keeps the reference path with the same numbers up to the rounding of the step's precision.
 
 `residual_unit`: a ResidualUnit step after its first Snake, x + proj(snake2(dwconv7(s))) with s = snake1(x) after
 the kept history (written once by the compiled step, as its state needs it), the skip's history and the edge
