@@ -27,10 +27,9 @@ from gateway.phrases.disk import DiskStore
 from gateway.phrases.entry import CorruptEntryError, PhraseEntry
 from gateway.phrases.key import PhraseKey
 from gateway.phrases.redis_store import RedisStore
-from gateway.rtc.session import Session
 from gateway.speech.synthesizer import Synthesizer
 from gateway.timing import VisemeTiming, WordTiming
-from tests.support import free_port, running, wait_until
+from tests.support import capture_pushed, free_port, running, wait_until
 
 REDIS_SERVER = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="Debian's redis-server is not installed (install.sh)")
@@ -177,19 +176,6 @@ async def test_the_redis_store_keeps_the_same_bound(redis_server: RedisServer) -
 
 def cached_config(config: GatewayConfig, folder: Path, **overrides: object) -> GatewayConfig:
     return dataclasses.replace(config, phrase_cache="all", phrase_cache_dir=str(folder), **overrides)
-
-
-def capture_pushed(session: Session) -> dict[str, list[np.ndarray]]:
-    """The PCM a session pushes to its playout track, per utterance."""
-    pushed: dict[str, list[np.ndarray]] = {}
-    original = session.track.push_pcm
-
-    def spy(utterance_id: str, pcm: np.ndarray) -> bool:
-        pushed.setdefault(utterance_id, []).append(pcm.copy())
-        return original(utterance_id, pcm)
-
-    session.track.push_pcm = spy  # type: ignore[method-assign]
-    return pushed
 
 
 @contextlib.asynccontextmanager
