@@ -73,21 +73,28 @@ def _sent_at(index: int, origin: float) -> float:
 
 
 async def _run_request(synth: Synthesizer, request: PlannedRequest, options: BenchOptions, origin: float,
-                       sent_at: float) -> RequestRecord:
-    stats = TimedStats(started=sent_at, listener_buffer_s=options.listener_buffer_ms / MS)  # deadlines count it
+                       sent_at: float, bare: bool = False) -> RequestRecord:
+    """One request's record: through the gateway's synthesizer, or with `bare` the engine's tokens alone (a frame
+    counts when its 7th token arrives)."""
+    # The gateway's deadlines count the listener's buffer; the bare level has none.
+    stats = (TimedStats(started=sent_at) if bare
+             else TimedStats(started=sent_at, listener_buffer_s=options.listener_buffer_ms / MS))
     record = new_record(request, stats.started - origin)
     arrivals: list[tuple[float, float]] = []
     starts = span_starts(synth, request)
     record.boundaries = len(starts) if starts else None
     boundary_chunks: list[int] = []
+    produce = _generate_bare if bare else _collect
     try:
-        await asyncio.wait_for(_collect(synth, request, stats, arrivals, starts, boundary_chunks),
+        await asyncio.wait_for(produce(synth, request, stats, arrivals, starts, boundary_chunks),
                                options.request_timeout_s)
         record.ok = bool(arrivals)
         record.error = None if arrivals else "no_audio"
     except Exception as exc:  # one failed stream is a data point, not the end of the run
         record.error = f"{type(exc).__name__}: {exc}"
     _fill_engine_figures(record, stats, arrivals)
+    if bare:
+        record.ttfa_ms = None  # set by apply_arrivals from the first whole frame
     apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals,
                    boundary_chunks=boundary_chunks if starts else None)
     return record
@@ -140,30 +147,8 @@ async def run_point_bare(synth: Synthesizer, workload: Sequence[Sequence[Planned
 
 async def _run_user_bare(synth: Synthesizer, requests: Sequence[PlannedRequest], options: BenchOptions,
                          origin: float) -> list[RequestRecord]:
-    return [await _run_request_bare(synth, request, options, origin, _sent_at(k, origin))
+    return [await _run_request(synth, request, options, origin, _sent_at(k, origin), bare=True)
             for k, request in enumerate(requests)]
-
-
-async def _run_request_bare(synth: Synthesizer, request: PlannedRequest, options: BenchOptions, origin: float,
-                            sent_at: float) -> RequestRecord:
-    stats = TimedStats(started=sent_at)
-    record = new_record(request, stats.started - origin)
-    arrivals: list[tuple[float, float]] = []
-    starts = span_starts(synth, request)
-    record.boundaries = len(starts) if starts else None
-    boundary_chunks: list[int] = []
-    try:
-        await asyncio.wait_for(_generate_bare(synth, request, stats, arrivals, starts, boundary_chunks),
-                               options.request_timeout_s)
-        record.ok = bool(arrivals)
-        record.error = None if arrivals else "no_audio"
-    except Exception as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-    _fill_engine_figures(record, stats, arrivals)
-    record.ttfa_ms = None  # set by apply_arrivals from the first whole frame
-    apply_arrivals(record, arrivals, options.buffers_ms, options.stall_tolerance_ms, options.keep_arrivals,
-                   boundary_chunks=boundary_chunks if starts else None)
-    return record
 
 
 async def _generate_bare(synth: Synthesizer, request: PlannedRequest, stats: TimedStats,
