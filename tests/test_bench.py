@@ -20,7 +20,7 @@ from gateway.benchmarks.models import ModelChoice, bench_models_file
 from gateway.benchmarks.report import markdown_table
 from gateway.benchmarks.run import run_scenarios
 from gateway.benchmarks.scenarios import lora_voices, span_language, traffic_voices
-from gateway.benchmarks.settings import build_parser, parse_options
+from gateway.benchmarks.settings import build_parser, parse_options, positive_int_list
 from gateway.benchmarks.timing import describe, simulate_playback, token_budget
 from gateway.benchmarks.webrtc_level import audio_frames, delivery_jitter_ms
 from gateway.config import GatewayConfig
@@ -630,10 +630,10 @@ async def test_text_doors_measure_a_running_gateway_at_several_utterances_at_onc
         assert len(samples["first_audio"]) == len(samples["first_words"]) == 2
         assert all(0 < s < text_doors.TIMEOUT_S for s in samples["first_audio"] + samples["first_words"])
         assert result["results"]["2"][door]["first_audio"]["n"] == 2
-    assert text_doors.parse_concurrency("1,64") == [1, 64]
+    assert positive_int_list("1,64") == [1, 64]
     for bad in ("0", "1,x", ""):
         with pytest.raises(argparse.ArgumentTypeError):
-            text_doors.parse_concurrency(bad)
+            positive_int_list(bad)
 
 
 @pytest.mark.engine

@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.benchmarks.settings import positive_int_list
 from gateway.orpheus import ENGLISH_VOICES, SAMPLE_RATE
 
 LESSON = [
@@ -212,17 +213,6 @@ def report(runs: list[Run], lesson_lines: int, free: float) -> str:
     return "\n".join(lines)
 
 
-def parse_sizes(text: str) -> list[int]:
-    """`64,128,256`: class sizes, each >= 1."""
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError("every size must be >= 1")
-    return sizes
-
-
 def save_json(args: argparse.Namespace, runs: list[Run]) -> None:
     Path(args.json).write_text(json.dumps({"free": args.free, "lines": args.lines, "buffer_s": BUFFER_S,
                                            "gateway_url": args.gateway_url, "runs": [summary(r) for r in runs],
@@ -242,7 +232,7 @@ async def main_async(args: argparse.Namespace) -> list[Run]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--students", type=parse_sizes, default=[6], help="class sizes, e.g. 64,128,256,384")
+    parser.add_argument("--students", type=positive_int_list, default=[6], help="class sizes, e.g. 64,128,256,384")
     parser.add_argument("--lines", type=int, default=len(LESSON), help="the lesson's length (its first lines)")
     parser.add_argument("--free", type=float, default=0.2, help="share of free (uncached) lines")
     parser.add_argument("--seed", type=int, default=1)

@@ -102,14 +102,23 @@ class BenchOptions:
     print_tables: bool = True
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str, minimum: int = 0) -> list[int]:
+    """`64,128,256` as an argparse type: comma-separated whole numbers, each >= `minimum`."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
     return values
+
+
+def positive_int_list(text: str) -> list[int]:
+    """`1,64`: comma-separated whole numbers, each >= 1 (sizes, utterances at once)."""
+    return int_list(text, 1)
+
+
+_int_list = int_list
 
 
 def _milliseconds(text: str) -> int:

@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 
 from gateway.benchmarks.models import tiny_fixed_length_config
+from gateway.benchmarks.settings import positive_int_list
 from gateway.benchmarks.timing import ORPHEUS_TOKENS_PER_CHAR
 from gateway.benchmarks.webrtc_level import LocalGateway
 from gateway.config import from_sources
@@ -211,17 +212,6 @@ def print_table(result: dict[str, Any]) -> None:
     print("(ms from the client's send)")
 
 
-def parse_concurrency(text: str) -> list[int]:
-    """`1,64`: utterances at once, each >= 1."""
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("every concurrency must be >= 1")
-    return values
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.gateway_url:
         result = await measure(args.gateway_url.rstrip("/"), args.concurrency, args.utterances)
@@ -237,7 +227,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--utterances", type=int, default=10, help="counted utterances per door and concurrency")
-    parser.add_argument("--concurrency", type=parse_concurrency, default=[1],
+    parser.add_argument("--concurrency", type=positive_int_list, default=[1],
                         help="utterances at once per door, e.g. 1,64")
     parser.add_argument("--gateway-url", help="measure this running gateway (for a random-weight model, started "
                                               "with --max-tokens-per-char 6)")
