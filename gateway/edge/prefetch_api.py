@@ -9,24 +9,20 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from gateway.edge.http import GATEWAY_KEY, read_json_object
-from gateway.edge.speech_api import _reshaped, openai_error
+from gateway.edge.http import GATEWAY_KEY
+from gateway.edge.speech_api import openai_error, ready_body
 from gateway.rtc import protocol
-from gateway.speech.errors import ENGINE_RETRY_AFTER_S, InvalidRequestError
+from gateway.speech.errors import InvalidRequestError
 
 PREFETCH_PATH = "/v1/audio/prefetch"
 
 
 async def prefetch(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
-    try:
-        body = await read_json_object(request, gateway.config.max_body_bytes)
-    except web.HTTPException as exc:
-        return _reshaped(exc)
-    synthesizer = gateway.synthesizer
-    if synthesizer is None or not gateway.ready:
-        return openai_error(503, "engine_unavailable", "the speech engine is not ready",
-                            headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+    ready = await ready_body(request)
+    if isinstance(ready, web.Response):
+        return ready
+    body, synthesizer = ready
     try:
         message = msgspec.convert({**body, "type": "prefetch"}, protocol.Prefetch)
         voice = synthesizer.resolve_voice(message.voice, message.language)

@@ -75,6 +75,21 @@ def _reshaped(exc: web.HTTPException) -> web.Response:
     return openai_error(exc.status, code, message)
 
 
+async def ready_body(request: web.Request) -> tuple[dict[str, Any], Synthesizer] | web.Response:
+    """A JSON route's body and the ready synthesizer, or the error to answer in OpenAI's shape: the body's
+    (invalid JSON, too large), or 503 with Retry-After while the engine is not ready."""
+    gateway = request.app[GATEWAY_KEY]
+    try:
+        body = await read_json_object(request, gateway.config.max_body_bytes)
+    except web.HTTPException as exc:
+        return _reshaped(exc)
+    synthesizer = gateway.synthesizer
+    if synthesizer is None or not gateway.ready:
+        return openai_error(503, "engine_unavailable", "the speech engine is not ready",
+                            headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+    return body, synthesizer
+
+
 # --- the request body ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -243,15 +258,12 @@ async def speech(request: web.Request) -> web.StreamResponse:
     """
     gateway = request.app[GATEWAY_KEY]
     metrics = gateway.metrics
-    try:
-        body = await read_json_object(request, gateway.config.max_body_bytes)
-    except web.HTTPException as exc:
-        return _reshaped(exc)
-    synthesizer = gateway.synthesizer
-    if synthesizer is None or not gateway.ready:
-        metrics.speech_requests_total.labels("503").inc()
-        return openai_error(503, "engine_unavailable", "the speech engine is not ready",
-                            headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+    ready = await ready_body(request)
+    if isinstance(ready, web.Response):
+        if ready.status == 503:
+            metrics.speech_requests_total.labels("503").inc()
+        return ready
+    body, synthesizer = ready
     try:
         speech_request = parse_speech_request(body, synthesizer)
     except SpeechRequestError as exc:
