@@ -387,6 +387,8 @@ def validate(config: GatewayConfig) -> None:
          f"jitter_buffer_ms must be within 0..{JITTER_BUFFER_MAX_MS}"),
         (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
         (config.snac_placement in SNAC_PLACEMENTS, f"snac_placement must be one of {', '.join(SNAC_PLACEMENTS)}"),
+        (not (config.snac_kernels and config.snac_device == "cpu"),
+         "snac_kernels needs SNAC on CUDA (snac_device auto or cuda), not cpu"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
         (config.stream_interval >= 1, "stream_interval must be >= 1"),

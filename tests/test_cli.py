@@ -69,6 +69,7 @@ def test_multilingual_voices_follow_the_model() -> None:
         ([], {"ORPHEUS_GATEWAY_MAX_NUM_SEQS": "many"}, "ORPHEUS_GATEWAY_MAX_NUM_SEQS"),
         ([], {"ORPHEUS_GATEWAY_ENFORCE_EAGER": "maybe"}, "ORPHEUS_GATEWAY_ENFORCE_EAGER"),
         (["--default-voice", "nobody"], {}, "default_voice"),
+        (["--snac-kernels", "--snac-device", "cpu"], {}, "snac_kernels needs SNAC on CUDA"),
     ],
 )
 def test_bad_settings_are_named(argv: list[str], env: dict[str, str], message: str) -> None:
