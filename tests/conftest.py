@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny Orpheus-compatible model and SNAC built on the fly, and ONE real vLLM engine
-(CPU) started once per test session and shared by every test that needs it."""
+(CPU) started once per test session and shared by every test that needs it; likewise ONE pair of tiny engines for the
+tests of several models."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from gateway.config import GatewayConfig
 from gateway.media.avthreads import use_one_ffmpeg_thread
-from tests.support import TEST_STOP_PROBABILITY, VllmServer, coturn_server, free_port, tiny_config  # noqa: F401
+from tests.support import (  # noqa: F401
+    TEST_STOP_PROBABILITY,
+    VllmServer,
+    bench_models_config,
+    coturn_server,
+    free_port,
+    tiny_config,
+)
 
 use_one_ffmpeg_thread()  # the test process runs sessions, as a gateway process does after its start
 
@@ -101,6 +109,20 @@ async def synthesizer(test_config: GatewayConfig) -> AsyncIterator[object]:
     from gateway.speech.synthesizer import Synthesizer
 
     synth = Synthesizer.load(test_config)
+    await synth.start()
+    yield synth
+    await synth.close()
+
+
+@pytest.fixture(scope="session")
+async def two_tiny_engines(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                           ) -> AsyncIterator[object]:
+    """Two real tiny engines in this process (en and pt, the tiny checkpoint served twice, a LoRA voice on en), as
+    `bench --models 2 --lora-voice` serves them: every test of several models shares them, through its own table
+    (`tests.support.on_shared_engines`); counts of requests per engine are read as deltas."""
+    from gateway.speech.synthesizer import Synthesizer
+
+    synth = Synthesizer.load(bench_models_config(tiny_model_dir, tiny_snac_dir, tmp_path_factory.mktemp("models")))
     await synth.start()
     yield synth
     await synth.close()

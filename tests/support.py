@@ -36,7 +36,8 @@ from gateway.orpheus import Frame
 from gateway.rtc.ice import turn_rest_credentials
 from gateway.rtc.protocol import CONTROL_LABEL, protocol_schema
 from gateway.rtc.session import Session
-from gateway.speech.synthesizer import Synthesizer
+from gateway.speech.engine import sampling_settings, vllm_engine_settings
+from gateway.speech.synthesizer import Synthesizer, decoder_settings
 
 
 def assert_valid(entry: str, message: object) -> None:
@@ -325,6 +326,46 @@ def tiny_config(model_dir: Path, snac_dir: Path, **overrides: object) -> Gateway
     )
     values.update(overrides)
     return from_sources(env={}, **values)
+
+
+# --- two tiny engines (several models on one process): one pair per test session ----------------------------------
+
+# `bench --models 2 --lora-voice --lora-rank 8` on the tiny model: the table of the session's two engines.
+BENCH_MODEL_ARGS = ["--models", "2", "--lora-voice", "--lora-rank", "8", "--scenario", "traffic,lora,mixed-spans",
+                    "--level", "engine", "--traffic", "75/25", "--traffic-users", "4", "--lora-users", "2",
+                    "--mixed-spans-users", "1,2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1",
+                    "--no-plots"]
+
+
+def bench_models_config(model_dir: Path, snac_dir: Path, folder: Path) -> GatewayConfig:
+    """The table `--models 2 --lora-voice --lora-rank 8` builds (the checkpoint served twice, en and pt, a rank-8
+    adapter of every projection beside the model on en), with the tests' engine settings and a small KV cache per
+    engine."""
+    from gateway.benchmarks.models import ModelChoice, bench_models_file
+    from gateway.benchmarks.settings import build_parser
+
+    args = build_parser().parse_args(BENCH_MODEL_ARGS)
+    choice = ModelChoice(str(model_dir), str(snac_dir), {}, 0.0, "tiny")
+    models_file = bench_models_file(args, choice, str(model_dir), folder)
+    assert models_file is not None
+    return tiny_config(model_dir, snac_dir, models_file=models_file, kv_cache_memory_gib=0.25)
+
+
+def on_shared_engines(config: GatewayConfig, shared: Synthesizer) -> Synthesizer:
+    """A synthesizer of `config`'s table (its voices, languages, defaults) on the started engines, tokenizers and SNAC
+    decoder of `shared`. Each model of `config` must start and sample exactly as the engine of its name does, so the
+    engines serve `config` as they would had it started them. Close `shared`, never this one."""
+    table = config.model_table
+    assert list(table.bases) == list(shared.engines), (list(table.bases), list(shared.engines))
+    for name, engine in shared.engines.items():
+        wanted = config.for_model(name)
+        assert vllm_engine_settings(wanted, on_cpu=True) == vllm_engine_settings(engine.config, on_cpu=True), name
+        assert sampling_settings(wanted) == sampling_settings(engine.config), name
+        assert wanted.lora == engine.config.lora, name
+    assert decoder_settings(config) == decoder_settings(shared.config)
+    first = next(iter(table.bases))
+    return Synthesizer(config, shared.engines[first], shared.tokenizers[first], shared.decoder,
+                       engines=shared.engines, tokenizers=shared.tokenizers)
 
 
 def cli_env() -> dict[str, str]:

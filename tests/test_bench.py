@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,17 +15,16 @@ import torch
 from gateway.benchmarks import fast_start
 from gateway.benchmarks.corpus import SIZES, mixed
 from gateway.benchmarks.engine_level import START_FRAMES
-from gateway.benchmarks.models import ModelChoice, bench_models_file
 from gateway.benchmarks.report import markdown_table
 from gateway.benchmarks.run import run_scenarios
 from gateway.benchmarks.scenarios import lora_voices, span_language, traffic_voices
-from gateway.benchmarks.settings import build_parser, parse_options, positive_int_list
+from gateway.benchmarks.settings import parse_options, positive_int_list
 from gateway.benchmarks.timing import describe, simulate_playback, token_budget
 from gateway.benchmarks.webrtc_level import audio_frames, delivery_jitter_ms
 from gateway.config import GatewayConfig
 from gateway.devtools.client import OPUS_RATE, ReceivedFrame
 from gateway.speech.synthesizer import Synthesizer
-from tests.support import running, tiny_config
+from tests.support import BENCH_MODEL_ARGS, bench_models_config, running
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LOUD, TAIL, QUIET = 3000.0, 25.0, 0.0
@@ -659,22 +657,6 @@ async def test_class_sim_cache_on_generates_each_scripted_line_once(synthesizer:
 
 # --- several models on one engine process (issue 37): the benchmark's own table on two tiny engines ----------------
 
-MODEL_ARGS = ["--models", "2", "--lora-voice", "--lora-rank", "8", "--scenario", "traffic,lora,mixed-spans",
-              "--level", "engine", "--traffic", "75/25", "--traffic-users", "4", "--lora-users", "2",
-              "--mixed-spans-users", "1,2", "--warmup", "0", "--cooldown-s", "0", "--tokens-per-char", "1",
-              "--no-plots"]
-
-
-def _bench_models_config(model_dir: Path, snac_dir: Path, folder: Path) -> GatewayConfig:
-    """The table `--models 2 --lora-voice --lora-rank 8` builds (a rank-8 adapter of every projection, beside the
-    model), on the tiny model with the tests' engine settings and a small KV cache per engine."""
-    args = build_parser().parse_args(MODEL_ARGS)
-    choice = ModelChoice(str(model_dir), str(snac_dir), {}, 0.0, "tiny")
-    models_file = bench_models_file(args, choice, str(model_dir), folder)
-    assert models_file is not None
-    return tiny_config(model_dir, snac_dir, models_file=models_file, kv_cache_memory_gib=0.25)
-
-
 def test_bench_models_table_and_its_options(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path: Path) -> None:
     """--models 2 serves the checkpoint twice (en, pt: one voice and language each, an even share of the GPU each)
     with the LoRA voice on en, a random adapter of every attention and MLP projection (B zero where it writes the
@@ -683,7 +665,7 @@ def test_bench_models_table_and_its_options(tiny_model_dir: Path, tiny_snac_dir:
 
     from gateway.devtools.devmodels import ALL_LORA_TARGETS
 
-    config = _bench_models_config(tiny_model_dir, tiny_snac_dir, tmp_path)
+    config = bench_models_config(tiny_model_dir, tiny_snac_dir, tmp_path)
     table = config.model_table
     assert list(table.bases) == ["en", "pt"] and table.engine_of("tutor")[0] == "en"
     assert [table.language_of(v) for v in ("tara", "ana", "tutor")] == ["en-US", "pt-BR", "en-US"]
@@ -706,26 +688,17 @@ def test_bench_models_table_and_its_options(tiny_model_dir: Path, tiny_snac_dir:
         parse_options(["--traffic", "60/50"])  # argparse: not summing to 100
 
 
-@pytest.fixture(scope="module")
-async def bench_models(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                       ) -> AsyncIterator[Synthesizer]:
-    synth = Synthesizer.load(_bench_models_config(tiny_model_dir, tiny_snac_dir, tmp_path_factory.mktemp("models")))
-    await synth.start()
-    yield synth
-    await synth.close()
-
-
 @pytest.mark.engine
-async def test_bench_models_traffic_lora_and_mixed_spans(bench_models: Synthesizer, tmp_path: Path,
+async def test_bench_models_traffic_lora_and_mixed_spans(two_tiny_engines: Synthesizer, tmp_path: Path,
                                                          capsys: Any) -> None:
     """The several-models scenarios end to end on two real tiny engines and a LoRA voice: each split's streams reach
     their models in its shares, the LoRA point speaks the adapter's voice on its base's engine, each mixed-span
     utterance crosses two span boundaries (its quote by the pt engine) and the stall check counts underruns there;
     every prompt had its budget; each engine's KV cache is reported."""
-    synth = bench_models
+    synth = two_tiny_engines  # the session's pair, built from this very table
     before = {name: engine.requests_started for name, engine in synth.engines.items()}
-    options = parse_options([*MODEL_ARGS, "--out", str(tmp_path)])
-    run = await run_scenarios(synth, synth.config, options, MODEL_ARGS)
+    options = parse_options([*BENCH_MODEL_ARGS, "--out", str(tmp_path)])
+    run = await run_scenarios(synth, synth.config, options, BENCH_MODEL_ARGS)
 
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [(s["scenario"], s["variant"]) for s in saved["scenarios"]] == [

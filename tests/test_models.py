@@ -1,5 +1,6 @@
 """Several checkpoints on one gateway (issue 37): the model table's parsing and checks, and ONE gateway serving two
-real tiny engines (an "English" and a "Portuguese" checkpoint with different voices): each voice and language reaches
+real tiny engines (an "English" and a "Portuguese" model with different voices, the session's pair of engines;
+`serve --workers` starts its own from two checkpoints): each voice and language reaches
 its own engine, a mixed EN+PT utterance plays its spans in order with words and visemes per span in its language,
 its repeat asks no engine, and bad language/voice/markup gets an `error` event or a 4xx."""
 
@@ -31,6 +32,7 @@ from tests.support import (
     chromium,
     needs_chromium,
     offer_sdp,
+    on_shared_engines,
     running,
     tiny_config,
 )
@@ -218,23 +220,19 @@ def test_admission_holds_each_models_limit_within_the_total_across_workers(tmp_p
 # --- one gateway, two real engines ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-async def two_models(tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                     ) -> AsyncIterator[tuple[str, GatewayState]]:
-    from gateway.devtools.devmodels import build_test_lora, build_test_model
-
-    pt_dir = build_test_model(tmp_path_factory.mktemp("tiny-orpheus-pt"), shape="tiny", seed=1,
-                              stop_probability=TEST_STOP_PROBABILITY)
-    lora_dir = build_test_lora(tmp_path_factory.mktemp("tiny-lora"))
-    folder = tmp_path_factory.mktemp("models")
-    table = MODELS_TOML.format(en=tiny_model_dir, pt=pt_dir) + LORA_TOML.format(lora=lora_dir)
-    config = tiny_config(tiny_model_dir, tiny_snac_dir, models_file=write_models(folder, table))
-    synthesizer = Synthesizer.load(config)
-    await synthesizer.start()
-    try:
-        async with running(config, synthesizer) as server:
-            yield server
-    finally:
-        await synthesizer.close()
+async def two_models(two_tiny_engines: Synthesizer, tiny_model_dir: Path, tiny_snac_dir: Path,
+                     tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[str, GatewayState]]:
+    """The gateway of MODELS_TOML + LORA_TOML on the session's two tiny engines: en and pt each their own engine of
+    the tiny checkpoint, tutor their adapter on en. pt samples as its engine does: MODELS_TOML's per-model
+    temperature is the table tests' (`on_shared_engines` checks every engine setting)."""
+    adapter = two_tiny_engines.table.engine_of("tutor")[1]
+    assert adapter is not None
+    table = MODELS_TOML.replace("temperature = 0.7\n", "").format(en=tiny_model_dir, pt=tiny_model_dir) + \
+        LORA_TOML.format(lora=adapter.path)
+    config = tiny_config(tiny_model_dir, tiny_snac_dir,
+                         models_file=write_models(tmp_path_factory.mktemp("models"), table))
+    async with running(config, on_shared_engines(config, two_tiny_engines)) as server:
+        yield server
 
 
 def counts(gateway: GatewayState) -> dict[str, int]:
