@@ -401,6 +401,12 @@ async def chromium() -> AsyncIterator[Any]:
             await browser.close()
 
 
+def start_process_group(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`cmd` in a process group of its own (`stop_process_group` ends it and its children), its output in `log`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def stop_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
     """Sends `sig` to the process group `proc` leads (started with `start_new_session=True`) and waits for it to
     exit; SIGKILL after `timeout` seconds."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -612,19 +611,12 @@ async def test_prefetch_by_language_makes_the_lines_the_page_and_the_speech_rout
         assert not errors, errors
 
 
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 @pytest.mark.engine
 async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
         tiny_model_dir: Path, tiny_snac_dir: Path, tmp_path: Path) -> None:
     """`serve --workers 2 --models-file` for real: one `vllm serve` per model started and supervised, the workers
     stream each voice from its own model's server, and /metrics counts each model's requests."""
     import asyncio
-    import os
-    import signal
     import sys
     import time
 
@@ -632,7 +624,7 @@ async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
 
     from gateway.cluster.addressing import WORKER_SOCKETS_ENV
     from gateway.devtools.devmodels import build_test_model
-    from tests.support import cli_env, free_port
+    from tests.support import cli_env, free_port, start_process_group, stop_process_group
 
     pt_dir = build_test_model(tmp_path / "pt", shape="tiny", seed=1, stop_probability=TEST_STOP_PROBABILITY)
     models = write_models(tmp_path, MODELS_TOML.format(en=tiny_model_dir, pt=pt_dir))
@@ -642,7 +634,7 @@ async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
     cmd = [sys.executable, "-m", "gateway", "serve", "--workers", "2", "--models-file", models, "--host", "127.0.0.1",
            "--port", str(port), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--snac-placement",
            "shared", "--warmup-batch-sizes", "2", "--log-level", "warning"]
-    proc = _start(cmd, {**cli_env(), WORKER_SOCKETS_ENV: str(tmp_path / "sockets")}, log)
+    proc = start_process_group(cmd, {**cli_env(), WORKER_SOCKETS_ENV: str(tmp_path / "sockets")}, log)
     try:
         servers = []
         deadline = time.monotonic() + 600
@@ -673,9 +665,4 @@ async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
                         requests[sample.labels["model"]] += sample.value
         assert requests == {"en": 1.0, "pt": 2.0}, requests
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)

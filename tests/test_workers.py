@@ -41,6 +41,7 @@ from tests.support import (
     needs_chromium,
     offer_sdp,
     poll_until,
+    start_process_group,
     stop_process_group,
     wait_until,
 )
@@ -101,11 +102,6 @@ class Workers:
                 await asyncio.sleep(0.5)
 
 
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, root: Path) -> Workers:
     sockets = root / "sockets"
     sockets.mkdir()
@@ -121,7 +117,8 @@ def _start_workers(vllm_server: VllmServer, model_dir: Path, snac_dir: Path, roo
            # lines sent with `cache: true` only (no other test sends it): the host's on-disk phrase cache
            "--phrase-cache", "marked", "--phrase-cache-dir", str(root / "phrases")]
     log = root / "serve.log"
-    return Workers(_start(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log), port, sockets, log)
+    proc = start_process_group(cmd, {**os.environ, WORKER_SOCKETS_ENV: str(sockets)}, log)
+    return Workers(proc, port, sockets, log)
 
 
 def _running(pid: int) -> bool:
