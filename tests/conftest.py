@@ -63,6 +63,28 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# --- session fixtures that end after their last test, not at the session's end ----------------------------------
+
+# Engines left idle still take CPU from every later test: these end once no test left to run uses them (a later
+# test that does, in another order or selection, starts them again).
+ENDS_AFTER_LAST_USER: tuple[str, ...] = ("two_tiny_engines",)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None:
+        return  # the session's end finishes everything
+    names = [name for name in ENDS_AFTER_LAST_USER if name in getattr(item, "fixturenames", ())]
+    if not names:
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1:]
+    for name in names:
+        if not any(name in getattr(other, "fixturenames", ()) for other in later):
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):  # type: ignore[attr-defined]
+                fixturedef.finish(item._request)  # type: ignore[attr-defined]  # its dependents first, as pytest does
+
+
 @pytest.fixture(autouse=True)
 def audited_endings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every `HeadlessPeer` a test makes is audited when the test ends: each utterance it was told of ended once,
