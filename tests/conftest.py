@@ -65,8 +65,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # --- session fixtures that end after their last test, not at the session's end ----------------------------------
 
-# Engines left idle still take CPU from every later test: these end once no test left to run uses them (a later
-# test that does, in another order or selection, starts them again).
+# Engines left idle still take CPU from every later test: these end once no test left in this run (its order, its
+# selection) uses them.
 ENDS_AFTER_LAST_USER: tuple[str, ...] = ("two_tiny_engines",)
 
 
