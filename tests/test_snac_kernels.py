@@ -5,6 +5,7 @@ rounding). On the card the same comparison runs in bfloat16 (tools/device/snac_s
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,18 +23,22 @@ EXACT = 1e-5  # float32 max abs difference that counts as exact (the layer-by-la
 
 @pytest.fixture(scope="module")
 def interpreted() -> Iterator[None]:
-    """Triton's interpreter for this module's kernels: they run on CPU tensors (numpy underneath)."""
-    from gateway.speech.snac import kernels
+    """Triton's interpreter for this module's kernels: they run on CPU tensors (numpy underneath). Triton decides
+    interpreted or compiled when a function is decorated, so the kernel's module is loaded again under the
+    variable (an earlier test may have imported it, or triton, without it) and once more after."""
+    from gateway.speech.snac import kernels, unit_kernel
 
     patch = pytest.MonkeyPatch()
     patch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(unit_kernel)
     kernels._unit_kernel.cache_clear()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
+    patch.undo()
+    importlib.reload(unit_kernel)
     kernels._unit_kernel.cache_clear()
     torch.set_num_threads(threads)
-    patch.undo()
 
 
 @pytest.fixture(scope="module")
