@@ -406,7 +406,10 @@ async def test_a_leader_whose_listeners_left_goes_on_for_a_follower_elsewhere(
 
     engine = synthesizer.engine
     config = cached_config(test_config, tmp_path)
-    text = "Only the other gateway still listens to this line."
+    # One long sentence: its generation outlasts B's request by far, so B joins A's flight rather than finding the
+    # line already stored, however busy the machine.
+    text = ("Only the other gateway still listens to this line, which goes on for a good while, clause after "
+            "clause, so that its follower joins long before the leader has made all of it.")
     async with running(config, synthesizer) as (url_a, gateway_a), running(config, synthesizer) as (url_b, gateway_b), \
             aiohttp.ClientSession() as http:
         assert gateway_a.phrases is not None
