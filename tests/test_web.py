@@ -527,6 +527,12 @@ async def test_browser_allocates_a_relay_with_the_gateways_credentials(
     assert not errors, f"uncaught errors in the page: {errors}"
 
 
+# The page's state, status, error box and last log lines, for a failure's message.
+PAGE_STATE_JS = """() => ({state: document.body.dataset.state, now: document.querySelector('#now').textContent,
+  error: document.querySelector('#error').textContent,
+  log: document.querySelector('#log').textContent.trim().split('\\n').slice(-8)})"""
+
+
 async def test_phone_width_has_no_horizontal_scroll(browser: Any, base_url: str) -> None:
     page, errors = await open_page(browser, base_url, width=375, height=812)
     try:
@@ -535,7 +541,11 @@ async def test_phone_width_has_no_horizontal_scroll(browser: Any, base_url: str)
         await page.locator(".phrase").first.click()  # karaoke on a phone: the caption under the face
         # Waits until the highlighted word is visible; a second read could miss it (a fresh-clone run did: the
         # highlight had moved on or the short phrase had ended between the two).
-        await page.wait_for_selector("#caption .word.current", state="visible", timeout=SPEECH_S * 1000)
+        try:
+            await page.wait_for_selector("#caption .word.current", state="visible", timeout=SPEECH_S * 1000)
+        except Exception as exc:  # say what the page showed instead (a fresh-clone run once timed out here)
+            shown = await page.evaluate(PAGE_STATE_JS)
+            raise AssertionError(f"no highlighted word within {SPEECH_S} s; the page: {shown}") from exc
         scroll_width = await page.evaluate("document.documentElement.scrollWidth")
         assert scroll_width <= 375, f"the page is {scroll_width} px wide on a 375 px screen"
         assert await page.evaluate(JITTER_LABEL_LINES_JS) == 1, "the audio buffer's label fits on one line"
