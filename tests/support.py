@@ -470,3 +470,21 @@ class VllmServer:
             text = await r.text()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+# Each change of the page's state, recorded in the page as it happens (with the status line, the error box and the
+# time), for the tests of reconnecting: a state that lasts a fraction of a second is easily missed by polling.
+RECORD_STATES_JS = """() => {
+  window.__states = [];
+  const text = (id) => document.getElementById(id).textContent;
+  new MutationObserver(() => window.__states.push({
+    state: document.body.dataset.state, at: performance.now(), now: text('now'), error: text('error'),
+  })).observe(document.body, { attributes: true, attributeFilter: ['data-state'] });
+}"""
+
+
+async def reached(page: Any, state: str, timeout_s: float = 20) -> dict[str, Any]:
+    """The first record of `state` since RECORD_STATES_JS, waited for."""
+    found = await page.wait_for_function("(state) => window.__states.find((s) => s.state === state)", arg=state,
+                                         timeout=timeout_s * 1000)
+    return await found.json_value()

@@ -26,12 +26,14 @@ from gateway.edge.app import create_app
 from gateway.edge.http import GATEWAY_KEY, ICE_SERVERS_PATH, OFFER_PATH
 from gateway.speech.synthesizer import Synthesizer
 from tests.support import (
+    RECORD_STATES_JS,
     TURN_SECRET,
     Coturn,
     assert_valid,
     chromium,
     needs_chromium,
     needs_coturn,
+    reached,
     running,
     wait_for_coturn,
     wait_until,
@@ -77,17 +79,6 @@ JITTER_LABEL_LINES_JS = """() => {
 MOUTH_AT_REST_JS = "window.__avatar.resting && window.__avatar.mouth === 0"
 
 
-# Each change of the page's state, recorded in the page as it happens (with the status line, the error box and the
-# time), for the tests of reconnecting: a state that lasts a fraction of a second is easily missed by polling.
-RECORD_STATES_JS = """() => {
-  window.__states = [];
-  const text = (id) => document.getElementById(id).textContent;
-  new MutationObserver(() => window.__states.push({
-    state: document.body.dataset.state, at: performance.now(), now: text('now'), error: text('error'),
-  })).observe(document.body, { attributes: true, attributeFilter: ['data-state'] });
-}"""
-
-
 @pytest.fixture(scope="module")
 async def server(test_config: GatewayConfig, synthesizer: Synthesizer) -> AsyncIterator[TestServer]:
     test_server = TestServer(create_app(test_config, synthesizer), host="127.0.0.1")
@@ -122,13 +113,6 @@ async def open_with(page: Any, query: str) -> None:
     """The page again, with settings in its query string (`token=...`, `reconnect_base_ms=...`)."""
     await page.goto(f"{page.url.split('?')[0]}?{query}")
     await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
-
-
-async def reached(page: Any, state: str, timeout_s: float = 20) -> dict[str, Any]:
-    """The first record of `state` since RECORD_STATES_JS, waited for."""
-    found = await page.wait_for_function("(state) => window.__states.find((s) => s.state === state)", arg=state,
-                                         timeout=timeout_s * 1000)
-    return await found.json_value()
 
 
 @pytest.fixture()

@@ -34,6 +34,7 @@ from gateway.cluster.addressing import (
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.http import OFFER_PATH
 from tests.support import (
+    RECORD_STATES_JS,
     TEST_MAX_TOKENS,
     VllmServer,
     chromium,
@@ -41,6 +42,7 @@ from tests.support import (
     needs_chromium,
     offer_sdp,
     poll_until,
+    reached,
     start_process_group,
     stop_process_group,
     wait_until,
@@ -388,18 +390,6 @@ async def test_utterances_count_against_one_limit_across_workers(workers: Worker
         await asyncio.sleep(0.5)
 
 
-# The error and status lines when the page's state first becomes "reconnecting" (set by setState, then the
-# reason and the reconnector's status in the same task), kept in window.__reconnecting.
-RECORD_RECONNECTING_JS = """() => {
-  const seen = new MutationObserver(() => {
-    if (document.body.dataset.state !== 'reconnecting' || window.__reconnecting) return;
-    window.__reconnecting = {error: document.querySelector('#error').textContent,
-                             now: document.querySelector('#now').textContent};
-  });
-  seen.observe(document.body, {attributes: true, attributeFilter: ['data-state']});
-}"""
-
-
 @pytest.mark.browser
 @needs_chromium
 async def test_the_page_reconnects_by_itself_when_its_worker_is_killed(workers: Workers) -> None:
@@ -419,12 +409,12 @@ async def test_the_page_reconnects_by_itself_when_its_worker_is_killed(workers: 
             await page.locator(".phrase").first.click()
             await page.wait_for_selector('#now[data-kind="done"]', timeout=speech_ms)
             lost_id = await page.evaluate("window.__app.connection.sessionId")
-            # What the page says the moment it starts reconnecting, read in the page: with 300 ms to the next
+            # What the page says the moment it starts reconnecting, recorded in the page: with 300 ms to the next
             # attempt it can be connected again (its error box cleared) before a second read from here.
-            await page.evaluate(RECORD_RECONNECTING_JS)
+            await page.evaluate(RECORD_STATES_JS)
             os.kill(workers.worker_pid(int(lost_id.split("-")[0].removeprefix("w"))), signal.SIGKILL)
 
-            said = await (await page.wait_for_function("window.__reconnecting", timeout=30_000)).json_value()
+            said = await reached(page, "reconnecting", timeout_s=30)
             assert "stopped answering" in said["error"], said
             assert said["now"].startswith("Reconnecting"), said
             await page.wait_for_selector('body[data-state="ready"]', timeout=60_000)
