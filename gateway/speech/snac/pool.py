@@ -56,31 +56,24 @@ class StreamingSnac(StreamBridge):
         units fused with `kernels` (None: `snac_kernels`) before anything runs. On CUDA with `capture_graphs`,
         graphs for batch buckets up to `max_batch` (default: min(max_streams, 512)) are captured at once.
 
-        Where compiling or the kernels were only the default (None) and fail (no Triton for this GPU, no C
-        compiler), the step runs without them, with a warning: exact all the same, only slower. Asked for by name,
-        their failure stops the start."""
+        Where compiling was only the default (`compile` None) and fails (no Triton for this GPU, no C compiler),
+        the step runs eagerly with a warning: exact all the same, only slower. Asked for by name, its failure (or
+        the kernels') stops the start."""
         from snac import SNAC
 
         device, dtype = snac_device_and_dtype(device, dtype)
         model = SNAC.from_pretrained(name_or_path).eval()
-        compiled, fused = snac_compiles(device, compile), snac_kernels(device, kernels)
-        # What to try, best first: each choice left to its default falls back to the plainer step.
-        tries = [(compiled, fused)]
-        if fused and kernels is None:
-            tries.append((compiled, False))
-        if compiled and compile is None:
-            tries += [(False, fused), (False, False)] if fused and kernels is None else [(False, fused)]
-        for attempt, (compiled, fused) in enumerate(tries):
-            snac = cls(model, device, dtype, max_streams, chunk_frames, compiled, fused)
-            try:
-                snac.precompile()  # a compiler or kernel that cannot work fails here, before any graph capture
-                break
-            except Exception as exc:
-                if attempt == len(tries) - 1:
-                    raise
-                log.warning("SNAC: the decoder's step %s failed (%s: %s); it runs %s (--no-snac-compile / "
-                            "--no-snac-kernels skip the attempt)", _step_kind(compiled, fused), type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "", _step_kind(*tries[attempt + 1]))
+        fused = snac_kernels(device, kernels)  # only ever on by name: never a default to fall back from
+        snac = cls(model, device, dtype, max_streams, chunk_frames, snac_compiles(device, compile), fused)
+        try:
+            snac.precompile()  # a compiler or kernel that cannot work fails here, before any graph capture
+        except Exception as exc:
+            if compile is not None:
+                raise
+            log.warning("SNAC: compiling the decoder's step failed (%s: %s); it runs eagerly (--no-snac-compile "
+                        "skips the attempt)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            snac = cls(model, device, dtype, max_streams, chunk_frames, False, fused)
+            snac.precompile()  # the kernels asked for, if any: their failure stops the start
         if capture_graphs:
             snac.capture_graphs(max_batch)
         return snac
@@ -211,7 +204,3 @@ class StreamingSnac(StreamBridge):
                 pieces[i].append(piece)
         dtype = np.float32 if as_float else np.int16
         return [np.concatenate(p) if p else np.zeros(0, dtype=dtype) for p in pieces]
-
-
-def _step_kind(compiled: bool, fused: bool) -> str:
-    return ("compiled" if compiled else "eagerly") + (" with the fused kernels" if fused else "")
