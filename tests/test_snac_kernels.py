@@ -6,6 +6,7 @@ rounding). On the card the same comparison runs in bfloat16 (tools/device/snac_s
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,9 +124,10 @@ def test_unit_kernel_in_the_cards_tiles(interpreted: None, channels: int, length
     pos = (frame * per_frame - delay)[:, None] + torch.arange(length)[None, :]
     valid = ((pos >= 0) & (pos < (end * per_frame)[:, None]))[:, None, :]
     tiles = unit_tiles(channels, length)
-    assert tiles[0] < length or tiles[2] < channels  # more than one tile or input block: the card's loops run
-    for masked in (False, True):
+    assert tiles[1] < length or tiles[3] < channels  # more than one tile or input block: the card's loops run
+    streams_side_by_side = (2, 16, min(channels, 64), 32, 4)  # two streams a tile, the last tile half empty
+    for masked, tried in itertools.product((False, True), (tiles, streams_side_by_side)):
         got = residual_unit(joined, x, old_x, alpha2, dw_w, dw_b, pw_w, pw_b, dilation, frame, end, per_frame, delay,
-                            masked, tiles=tiles)
+                            masked, tiles=tried)
         want = y * valid if masked else y
-        assert (got - want).abs().max() < EXACT * 10  # sums over up to 256 channels: float32 rounding
+        assert (got - want).abs().max() < EXACT * 10, tried  # sums over up to 256 channels: float32 rounding

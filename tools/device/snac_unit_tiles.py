@@ -1,14 +1,15 @@
-"""The fused residual-unit kernel (`gateway.speech.snac.kernels.residual_unit`) in every tile shape, against the
+"""The fused residual-unit kernel (`gateway.speech.snac.kernels.residual_unit`) in a grid of tile shapes, against the
 same unit compiled by torch.compile the way the step writes it (depthwise taps as shifted products, Snake, the 1x1
 projection, the delayed skip), for each of SNAC's twelve unit shapes at one batch:
 
     python tools/device/snac_unit_tiles.py --out unit_tiles.json --batch 256
 
 Per shape (channels, samples per step, dilation): GPU ms of the compiled unit, of the kernel in `unit_tiles`'
-choice, and of the fastest tiles found (BLOCK_T, BLOCK_CO, BLOCK_CI, warps), median of CUDA-event timings; tiles
-that do not fit the card are skipped. The sum over the twelve shapes is what the units cost a step each way; the
-fastest tiles per shape are what `unit_tiles` should return. Every timed kernel output is compared with the
-compiled unit's (max abs difference, bfloat16). CPU smoke check of the script (Triton's interpreter, float32, one
+choice, and of the fastest tiles found (BLOCK_R, BLOCK_T, BLOCK_CO, BLOCK_CI, warps; every tile of `tile_grid` at
+dilation 1, its best at 3 and 9), median of CUDA-event timings; tiles that do not fit the card are skipped. The sum
+over the twelve shapes is what the units cost a step each way; the fastest tiles per shape are what `unit_tiles`
+should return. Every timed kernel output is compared with the compiled unit's (max abs difference, bfloat16).
+CPU smoke check of the script (Triton's interpreter, float32, one
 config): `TRITON_INTERPRET=1 python tools/device/snac_unit_tiles.py --device cpu --batch 1 --quick --out x.json`.
 """
 
@@ -33,7 +34,10 @@ from gateway.speech.snac.kernels import TAPS, residual_unit, unit_tiles
 # SNAC 24 kHz's decoder blocks: (channels, samples per stream in a one-frame step); each has units of dilation 1, 3, 9.
 UNIT_SHAPES = ((512, 32), (256, 256), (128, 1024), (64, 2048))
 DILATIONS = (1, 3, 9)
-TILE_CHOICES = {"BLOCK_T": (32, 64, 128), "BLOCK_CO": (32, 64, 128), "BLOCK_CI": (16, 32, 64), "warps": (4, 8)}
+COLUMNS = (64, 128)  # streams x samples side by side in a tile
+BLOCK_CO = (64, 128, 256)
+BLOCK_CI = (32, 64)
+Tiles = tuple[int, int, int, int, int]
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 3) -> float:
@@ -70,15 +74,22 @@ def layered_unit(joined: torch.Tensor, x: torch.Tensor, x_old: torch.Tensor, alp
     return y + torch.cat([x_old, x[..., :length - x_old.shape[-1]]], dim=2)
 
 
-def tile_grid(channels: int, quick: bool) -> list[tuple[int, int, int, int]]:
+def tile_grid(channels: int, length: int, quick: bool) -> list[Tiles]:
+    """The tiles tried for a unit shape: 64 or 128 columns (one stream's samples, or several short streams side by
+    side), output and input channel blocks; 8 warps for tiles of 8192 outputs or more."""
     if quick:
-        return [unit_tiles(channels, 64)]
-    return [(t, co, ci, w) for t, co, ci, w in itertools.product(*TILE_CHOICES.values())
-            if co <= channels and ci <= channels]
+        return [unit_tiles(channels, length)]
+    whole = 1 << (max(16, length) - 1).bit_length()
+    grid = []
+    for columns, co, ci in itertools.product(COLUMNS, BLOCK_CO, BLOCK_CI):
+        block_t = min(columns, whole)
+        if co <= channels and ci <= channels:
+            grid.append((columns // block_t, block_t, co, ci, 8 if co * columns >= 8192 else 4))
+    return list(dict.fromkeys(grid))
 
 
 def bench_shape(channels: int, length: int, dilation: int, batch: int, device: torch.device, dtype: torch.dtype,
-                repeats: int, quick: bool, compiled: bool) -> dict[str, Any]:
+                repeats: int, grid: list[Tiles], compiled: bool) -> dict[str, Any]:
     g = torch.Generator(device="cpu").manual_seed(channels * 31 + dilation)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -99,10 +110,10 @@ def bench_shape(channels: int, length: int, dilation: int, batch: int, device: t
                            "compiled_ms" if compiled else "eager_ms": round(timed(lambda: unit(*args), device,
                                                                                   repeats), 4)}
     default = unit_tiles(channels, length)
-    timings: dict[tuple[int, int, int, int], float] = {}
+    timings: dict[Tiles, float] = {}
     worst_diff = 0.0
-    for tiles in dict.fromkeys([default, *tile_grid(channels, quick)]):
-        def run(tiles: tuple[int, int, int, int] = tiles) -> torch.Tensor:
+    for tiles in dict.fromkeys([default, *grid]):
+        def run(tiles: Tiles = tiles) -> torch.Tensor:
             return residual_unit(joined, x, x_old, alpha2, dw_w, dw_b, pw_w, pw_b, dilation, frame, end, length,
                                  0, False, tiles=tiles)
         try:
@@ -133,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (20 if cuda else 1)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
                               "torch": torch.__version__, "batch": args.batch, "dtype": str(dtype), "units": []}
+    best: dict[tuple[int, int], Tiles] = {}
     for (channels, length), dilation in itertools.product(UNIT_SHAPES, DILATIONS):
-        row = bench_shape(channels, length, dilation, args.batch, device, dtype, repeats, args.quick, compiled=cuda)
+        # every tile at dilation 1; the other dilations (only their loads' offsets differ) try that one's best
+        grid = tile_grid(channels, length, args.quick) if dilation == 1 else [best[channels, length]]
+        row = bench_shape(channels, length, dilation, args.batch, device, dtype, repeats, grid, compiled=cuda)
+        best.setdefault((channels, length), tuple(row["best_tiles"]))
         report["units"].append(row)
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(report, indent=1))  # a lease can end mid-run: keep what is done

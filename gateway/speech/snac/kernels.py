@@ -43,25 +43,27 @@ def _unit_kernel() -> Any:
     return unit_kernel
 
 
-def unit_tiles(channels: int, length: int, interpreted: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_CO, BLOCK_CI, num_warps) of a unit of `channels` over `length` samples: all output channels
-    of a tile in one program up to 128 (the depthwise part is computed once per tile), tiles no longer than the
-    step. `interpreted` (Triton's interpreter, on a CPU): one tile per row and channel block, each op one numpy
-    call over it."""
+def unit_tiles(channels: int, length: int, interpreted: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_R, BLOCK_T, BLOCK_CO, BLOCK_CI, num_warps) of a unit of `channels` over `length` samples: tiles no
+    longer than the step, streams side by side in a tile up to 64 columns (the projection's tensor-core tile), all
+    output channels of a tile in one program up to 128 (the depthwise part is computed once per channel block).
+    `interpreted` (Triton's interpreter, on a CPU): one tile per stream and channel block, each op one numpy call
+    over it."""
     whole = 1 << (max(16, length) - 1).bit_length()
     if interpreted:
-        return whole, min(channels, 128), channels, 4
+        return 1, whole, min(channels, 128), channels, 4
     block_t = min(64, whole)
+    block_r = max(1, 64 // block_t)
     block_co = min(channels, 128)
     block_ci = min(channels, 32)
-    return block_t, block_co, block_ci, 8 if block_co * block_t >= 8192 else 4
+    return block_r, block_t, block_co, block_ci, 8 if block_co * block_t * block_r >= 8192 else 4
 
 
 def residual_unit(joined: torch.Tensor, x: torch.Tensor, x_history: torch.Tensor, alpha2: torch.Tensor,
                   dw_weight: torch.Tensor, dw_bias: torch.Tensor | None, pw_weight: torch.Tensor,
                   pw_bias: torch.Tensor | None, dilation: int, frame: torch.Tensor, end: torch.Tensor,
                   per_frame: int, delay: int, masked: bool,
-                  tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """One ResidualUnit step of B streams: `joined` [B, C, 6 d + L] the depthwise convolution's input (the kept
     snake1 outputs, then snake1 of the fresh input), `x` [B, C, L] the fresh input, `x_history` [B, C, 3 d] the
     kept inputs (all time contiguous, any batch/channel strides); weights as `layers._Unit` holds them. With
@@ -76,8 +78,9 @@ def residual_unit(joined: torch.Tensor, x: torch.Tensor, x_history: torch.Tensor
     if not (frame.is_contiguous() and end.is_contiguous()):
         raise ValueError("frame and end must be contiguous")
     out = torch.empty((batch, channels, length), dtype=x.dtype, device=x.device)
-    block_t, block_co, block_ci, warps = tiles or unit_tiles(channels, length, interpreted=x.device.type == "cpu")
-    grid = (batch, -(-length // block_t), -(-channels // block_co))
+    block_r, block_t, block_co, block_ci, warps = tiles or unit_tiles(channels, length,
+                                                                      interpreted=x.device.type == "cpu")
+    grid = (-(-batch // block_r), -(-length // block_t), -(-channels // block_co))
     dummy = pw_weight  # any tensor: the bias pointers are not read without a bias
     _unit_kernel()[grid](
         joined, joined.stride(0), joined.stride(1), x, x.stride(0), x.stride(1),
@@ -87,7 +90,8 @@ def residual_unit(joined: torch.Tensor, x: torch.Tensor, x_history: torch.Tensor
         dummy if pw_bias is None else pw_bias, frame, end, length, per_frame, delay,
         C=channels, K=TAPS, DIL=dilation, MASKED=masked, HAS_DW_BIAS=dw_bias is not None,
         HAS_PW_BIAS=pw_bias is not None, LOW_PRECISION=x.dtype != torch.float32,
-        BLOCK_T=block_t, BLOCK_CO=block_co, BLOCK_CI=block_ci, num_warps=warps, num_stages=1)
+        batch=batch, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_CO=block_co, BLOCK_CI=block_ci, num_warps=warps,
+        num_stages=1)
     return out
 
 
