@@ -401,6 +401,17 @@ async def chromium() -> AsyncIterator[Any]:
             await browser.close()
 
 
+async def open_page(browser: Any, base_url: str, width: int = 1100, height: int = 900) -> tuple[Any, list[str]]:
+    """A fresh page on the avatar page, its voices listed; also returns the list its uncaught script errors go to."""
+    context = await browser.new_context(viewport={"width": width, "height": height})
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(f"{base_url}/")
+    await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+    return page, errors
+
+
 def start_process_group(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """`cmd` in a process group of its own (`stop_process_group` ends it and its children), its output in `log`."""
     with open(log, "wb") as out:

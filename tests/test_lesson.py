@@ -4,7 +4,6 @@ random CTC aligner (so `aligned` timings are exercised too; their accuracy is te
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -127,9 +126,14 @@ async def test_rtp_timestamps_match_what_the_receiver_sees(peer: HeadlessPeer) -
     peer.speak("r1", TWO_SENTENCES)
     started = await peer.wait_event("started", "r1", timeout=120)
     done = await peer.wait_event("done", "r1", timeout=120)
-    await asyncio.sleep(0.5)  # the last frames are still in flight when `done` is sent
     rtp0 = started["rtp_timestamp"]
     assert isinstance(rtp0, int)
+    # The last frames are still in flight when `done` is sent: wait for a packet its reported length (played frames
+    # and the underruns' silence) past rtp0; every frame checked below comes before it, so has come by then.
+    end = round((done["audio_ms"] + done["underrun_ms"]) * MS_48K)
+    await wait_until(lambda: any(end <= (f.rtp_timestamp - rtp0) % (1 << 32) < 1 << 31
+                                 for f in peer.frames if f.rtp_timestamp is not None),
+                     timeout=10, message=f"a packet {end} ticks or more past the utterance's first")
     received = {f.rtp_timestamp for f in peer.frames}
     assert rtp0 in received, "the utterance's first sample starts a packet the receiver got"
     # Its first frame is the first audible one: the packets before it carry the silence between utterances.
@@ -197,10 +201,13 @@ async def test_word_range_repeat(peer: HeadlessPeer, server: tuple[str, GatewayS
     assert done["audio_ms"] < sum(e.message["audio_ms"] for e in peer.find("done", "w")) / 0.8
 
 
-async def test_cancel_reports_the_whole_words_heard(peer: HeadlessPeer) -> None:
+async def test_cancel_reports_the_whole_words_heard(peer: HeadlessPeer, server: tuple[str, GatewayState]) -> None:
     peer.speak("c", LONG_TEXT)
     await peer.wait_event("words", "c", timeout=120)
-    await asyncio.sleep(0.8)
+    first = all_words(peer, "c")[0]
+    track = session_of(server[1], peer).track  # cancelled once its first word has been played
+    await wait_until(lambda: (track.played_ms("c") or 0) >= first["start_ms"] + first["duration_ms"], timeout=30,
+                     message=f"the first word played ({first})")
     peer.cancel("c")
     cancelled = await peer.wait_event("cancelled", "c")
     assert cancelled["played_ms"] > 0

@@ -32,6 +32,7 @@ from tests.support import (
     needs_chromium,
     offer_sdp,
     on_shared_engines,
+    open_page,
     running,
     tiny_config,
 )
@@ -495,11 +496,7 @@ async def test_the_page_speaks_pt_lines_with_the_pt_model_and_en_lines_with_the_
     English one, the chosen (English) voice kept for the EN line."""
     base_url, gateway = two_models
     async with chromium() as browser:
-        page = await browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        await page.goto(f"{base_url}/")
-        await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+        page, errors = await open_page(browser, base_url)
         await page.click("#connect")
         await page.wait_for_selector('body[data-state="ready"]', timeout=30_000)
         for index, engine in [(0, "pt"), (1, "en")]:
@@ -580,11 +577,7 @@ async def test_prefetch_by_language_makes_the_lines_the_page_and_the_speech_rout
         assert resp.status == 200 and len(await resp.read()) > 0
         assert added(before, gateway) == {"en": 0, "pt": 1} and hits(gateway) == hit + 1
     async with chromium() as browser:
-        page = await browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        await page.goto(f"{base_url}/")
-        await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
+        page, errors = await open_page(browser, base_url)
 
         async def stored() -> list[bool]:  # the lesson's sentences, each keyed by the voice that will say it
             return [await phrases.lookup(phrases.key(voice, sentence)) is not None

@@ -362,7 +362,8 @@ async def test_bad_offer_fields(base_url: str) -> None:
 
 async def test_closed_peer_leaves_nothing_behind(base_url: str, gateway: GatewayState) -> None:
     engine = gateway.synthesizer.engine
-    await asyncio.sleep(0.2)
+    # The module's earlier peers closed from their side: their sessions gone here too, so the counts start settled.
+    await wait_until(lambda: not gateway.sessions.sessions, timeout=30, message="earlier tests' sessions closed")
     sessions_before = len(gateway.sessions.sessions)
     tasks_before = len(asyncio.all_tasks())
     peer = HeadlessPeer(base_url, jitter_buffer_ms=0)

@@ -33,6 +33,7 @@ from tests.support import (
     chromium,
     needs_chromium,
     needs_coturn,
+    open_page,
     reached,
     running,
     wait_for_coturn,
@@ -96,17 +97,6 @@ def base_url(server: TestServer) -> str:
 async def browser() -> AsyncIterator[Any]:
     async with chromium() as launched:
         yield launched
-
-
-async def open_page(browser: Any, base_url: str, width: int = 1100, height: int = 900) -> tuple[Any, list[str]]:
-    """A fresh page on the avatar page; also returns the list its uncaught script errors go to."""
-    context = await browser.new_context(viewport={"width": width, "height": height})
-    page = await context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    await page.goto(f"{base_url}/")
-    await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
-    return page, errors
 
 
 async def open_with(page: Any, query: str) -> None:
