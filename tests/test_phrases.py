@@ -369,16 +369,21 @@ async def test_a_burst_across_two_gateways_on_one_redis_makes_one_engine_request
 async def test_a_leader_that_died_lets_a_follower_make_the_line(
         test_config: GatewayConfig, synthesizer: Synthesizer, tmp_path: Path) -> None:
     """A lease claimed by a leader that relayed one chunk and then died (it never renews): a request for the key
-    plays that chunk at once, and once the lease expires makes the line itself, going on from the samples heard."""
+    plays that chunk at once, and once the lease expires makes the line itself, going on from the samples heard.
+    The flight is a prefetch's: while it follows the leader elsewhere it holds no admission slot (it asks no
+    engine), and takes one when it takes the line over. A session's utterance that follows it gets a `ttft_ms`:
+    when the flight's first audio reached it (the leader's relayed chunk), not null."""
     from gateway.phrases.board import LEASE_S, pcm_bytes
     from gateway.phrases.disk_board import DiskBoard
 
     engine = synthesizer.engine
     config = cached_config(test_config, tmp_path)
     text = "The leader of this line has died."
-    async with running(config, synthesizer) as (base_url, gateway), aiohttp.ClientSession() as http:
-        assert gateway.phrases is not None
-        digest = gateway.phrases.key(config.voice, text).digest
+    async with running(config, synthesizer) as (base_url, gateway), aiohttp.ClientSession() as http, \
+            peer_of(base_url, gateway) as (peer, _pcm):
+        phrases = gateway.phrases
+        assert phrases is not None
+        digest = phrases.key(config.voice, text).digest
         board = DiskBoard(tmp_path)
         heard = entry(samples=1200).pcm
         try:
@@ -386,6 +391,11 @@ async def test_a_leader_that_died_lets_a_follower_make_the_line(
             await board.append(digest, "dead-leader", 0, [(pcm_bytes(heard), False)])
             requests = engine.requests_started
             started = time.monotonic()
+            async with http.post(f"{base_url}/v1/audio/prefetch", json={"texts": [text]}) as r:
+                assert r.status == 200 and (await r.json())["ready"] == []
+            await wait_until(lambda: digest in phrases.flights and phrases.flights[digest].samples > 0, 10)
+            assert gateway.admission.streams == 0, "a prefetch that follows a leader elsewhere holds no slot"
+            peer.speak("follower", text)
             body = await speech(http, base_url, text)
             waited = time.monotonic() - started
         finally:
@@ -393,8 +403,16 @@ async def test_a_leader_that_died_lets_a_follower_make_the_line(
         assert engine.requests_started == requests + 1  # the follower made it after the lease expired
         assert waited >= LEASE_S * 0.8
         assert body[:len(heard) * 2] == pcm_bytes(heard) and len(body) > len(heard) * 2
-        await asyncio.wait_for(gateway.phrases.prefetch_idle(), 30)
-        stored = await gateway.phrases.lookup(gateway.phrases.key(config.voice, text))
+        first = await peer.wait_event("started", "follower", timeout=60)
+        assert first["ttft_ms"] is not None and first["ttfw_ms"] is not None, first
+        assert 0 <= first["ttft_ms"] <= first["ttfw_ms"] <= first["ttfa_ms"], first
+        assert first["ttft_ms"] < LEASE_S * 1000, first  # the leader's relayed chunk, not the line made later
+        await peer.wait_event("done", "follower", timeout=60)
+        assert not peer.find("error")
+        await asyncio.wait_for(phrases.prefetch_idle(), 30)
+        assert metric(gateway, "orpheus_phrase_cache_prefetches_total", {"outcome": "generated"}) == 1
+        assert gateway.admission.streams == 0
+        stored = await phrases.lookup(phrases.key(config.voice, text))
         assert stored is not None and len(stored.pcm) > 0  # its own generation, whole, is the entry
 
 

@@ -8,20 +8,23 @@ host, the gateways of a Redis) the flight first claims the key on the store's bo
 claimant leads (generates and relays its chunks), any other process's flight follows the leader's relayed chunks.
 
 Prefetch: sentences are made one at a time, each only while the engine has room (`PREFETCH_ROOM` of its utterance
-limit, every worker's counted, is free), holding an admission slot as live speech does. Live speech goes first: a
-live utterance that starts while a prefetch generates aborts the prefetch's engine request (the line is tried again
-later), so the live request never shares the engine with it for longer than one `PREEMPT_CHECK_S`.
+limit, every worker's counted, is free), holding an admission slot as live speech does while it generates here; a
+prefetch that follows a leader elsewhere asks no engine and holds none. Live speech goes first: a live utterance
+that starts while a prefetch generates aborts the prefetch's engine request (the line is tried again later), so the
+live request never shares the engine with it for longer than one `PREEMPT_CHECK_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -35,7 +38,6 @@ from gateway.phrases.disk import DiskStore, default_folder
 from gateway.phrases.entry import CorruptEntryError, PhraseEntry
 from gateway.phrases.key import PhraseKey
 from gateway.service.admission import Admission
-from gateway.service.errors import CapacityError
 from gateway.service.metrics import PhraseCacheMetrics
 from gateway.speech.synthesizer import Synthesizer, UtteranceStats
 from gateway.timing import VisemeTiming, WordTiming
@@ -73,6 +75,7 @@ class Timings:
 # (text, pcm, language) -> its timings: the sessions' timing service, so a hit carries the words a fresh line gets.
 MakeTimings = Callable[[str, np.ndarray, str], Awaitable[Timings]]
 LeadOf = Callable[[], float | None]
+Admit = Callable[[], AbstractContextManager[object]]  # an admission slot, held while the flight generates here
 
 
 class FlightAbandoned(Exception):  # noqa: N818 -- not an error to report: the flight's last listener left
@@ -94,6 +97,8 @@ class Flight:
     leads: list[LeadOf] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     relay: LeaderRelay | None = None  # leading on the board: followers elsewhere may hear it
+    admit: Admit | None = None  # a prefetch's: its slot is taken only once the flight generates here
+    generating: bool = False  # asking the engine here (holding admit's slot), not looking or following elsewhere
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, pcm: np.ndarray, last: bool) -> None:
@@ -240,14 +245,15 @@ class PhraseCache:
         self.metrics.bytes.set(size)
 
     # --- single flight ------------------------------------------------------------------------------------
-    def flight(self, key: PhraseKey, synthesizer: Synthesizer) -> Flight:
-        """The running flight of `key` (joined: a metric), or a new one started."""
+    def flight(self, key: PhraseKey, synthesizer: Synthesizer, admit: Admit | None = None) -> Flight:
+        """The running flight of `key` (joined: a metric), or a new one started (taking `admit`'s slot while it
+        generates here, not while it follows a leader elsewhere)."""
         digest = key.digest
         flight = self.flights.get(digest)
         if flight is not None:
             self.metrics.joins_total.inc()
             return flight
-        flight = self.flights[digest] = Flight(key)
+        flight = self.flights[digest] = Flight(key, admit=admit)
         flight.stats.playout_lead_s = flight.lead_s
         flight.task = asyncio.create_task(self._generate(flight, synthesizer), name=f"phrase-{digest[:8]}")
         return flight
@@ -258,7 +264,9 @@ class PhraseCache:
         abandoned = True
         try:
             if not await self._from_board(flight):
-                await self._make(flight, synthesizer)
+                with flight.admit() if flight.admit is not None else contextlib.nullcontext():
+                    flight.generating = True
+                    await self._make(flight, synthesizer)
             abandoned = False
         except asyncio.CancelledError:
             flight.end(FlightAbandoned("every listener of this sentence left"))
@@ -388,7 +396,9 @@ class PhraseCache:
 
     async def _prefetch_one(self, synthesizer: Synthesizer, key: PhraseKey) -> None:
         """Make one sentence while the engine has room; a live utterance that starts meanwhile goes first: the
-        prefetch's engine request is aborted (unless a live request follows it too) and tried again later."""
+        prefetch's engine request is aborted (unless a live request follows it too) and tried again later. Its
+        admission slot is taken when its flight generates here (engine full: skipped), never while it follows a
+        leader elsewhere."""
         floor = self.admission.max_streams  # after a preemption: wait until the live speech that caused it ended
         for _attempt in range(MAX_PREEMPTIONS + 1):
             # Polled: the other workers' utterances are counts in a shared file, which signals nothing.
@@ -396,17 +406,13 @@ class PhraseCache:
                 await asyncio.sleep(PREFETCH_IDLE_S)
             if key.digest in self.flights or await self.lookup(key) is not None:
                 return
-            try:
-                slot = self.admission.admit_stream(key.voice)
-            except CapacityError:
-                break
-            with slot:
-                floor = self.admission.streams_in_use - 1  # the utterances beside it when it started
-                flight = self.flight(key, synthesizer)
-                drain = asyncio.create_task(self._drain(flight))
-                if not await self._yield_to_live(flight, drain):
-                    self.metrics.prefetches_total.labels("preempted").inc()
-                    continue
+            flight = self.flight(key, synthesizer, admit=functools.partial(self.admission.admit_stream, key.voice))
+            drain = asyncio.create_task(self._drain(flight))
+            beside = await self._yield_to_live(flight, drain)
+            if beside is not None:
+                self.metrics.prefetches_total.labels("preempted").inc()
+                floor = beside
+                continue
             self.metrics.prefetches_total.labels("generated" if flight.entry is not None else "skipped").inc()
             return
         self.metrics.prefetches_total.labels("skipped").inc()
@@ -416,20 +422,25 @@ class PhraseCache:
             async for _chunk in self.follow(flight, None):
                 pass
 
-    async def _yield_to_live(self, flight: Flight, drain: asyncio.Task[None]) -> bool:
-        """Follow a prefetch's flight to its end (True, stored), or end it when live speech starts (False)."""
+    async def _yield_to_live(self, flight: Flight, drain: asyncio.Task[None]) -> int | None:
+        """Follow a prefetch's flight to its end (None), or end it when live speech starts while it generates here
+        (the utterances that ran beside it when it started, which its next try waits for). A flight that follows a
+        leader elsewhere asks no engine: nothing to yield."""
         assert flight.task is not None
-        beside = self.admission.streams_in_use  # this prefetch and whatever ran when it started
+        beside = self.admission.streams_in_use + 1  # this prefetch (its slot once it generates) and what ran beside
         while not flight.task.done():
             in_use = self.admission.streams_in_use
-            if in_use > beside and flight.followers <= 1:  # a live utterance started; none follows this line
+            if not flight.generating:  # no slot yet: a live utterance that starts meanwhile goes first all the same
+                beside = min(beside, in_use + 1)
+            elif in_use > beside and flight.followers <= 1:  # a live utterance started; none follows this line
                 drain.cancel()  # its last follower leaving aborts the engine request
                 await asyncio.wait([drain, flight.task])
-                return False
-            beside = min(beside, in_use)
+                return beside - 1
+            else:
+                beside = min(beside, in_use)
             await asyncio.wait([flight.task], timeout=PREEMPT_CHECK_S)
         await asyncio.wait([drain])
-        return True
+        return None
 
     async def prefetch_idle(self) -> None:
         """Wait until every queued prefetch is made (tests, benchmarks)."""

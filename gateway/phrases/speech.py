@@ -29,8 +29,9 @@ async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer,
                            sentences: Iterable[str | VoicedSentence] | AsyncIterable[str | VoicedSentence],
                            voice: str, *, stats: UtteranceStats, seed: int | None = None) -> AsyncIterator[AudioChunk]:
     """Audio chunks of `sentences` (already split; a `VoicedSentence` by its own voice), hits from the cache and
-    misses from single flights; `stats` gets first audio, first token and the tokens of the flights this request
-    led or followed."""
+    misses from single flights; `stats` gets first audio, first token and window (as they reached this request: see
+    `reached`; none when the first sentence was a hit) and the tokens of the flights this request led or
+    followed."""
     index = 0
     async for raw in aiter_of(sentences):
         text, sentence_voice = (raw.text, raw.voice) if isinstance(raw, VoicedSentence) else (raw, voice)
@@ -52,9 +53,10 @@ async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer,
             first = True
             async for pcm, last in cache.follow(flight, stats.playout_lead_s):
                 if stats.first_audio_at is None:
-                    stats.first_audio_at = time.monotonic()
-                    stats.first_token_at = flight.stats.first_token_at
-                    stats.first_window_at = flight.stats.first_window_at
+                    stats.first_audio_at = now = time.monotonic()
+                    stats.first_token_at = reached(flight.stats.first_token_at, stats.started, now)
+                    stats.first_window_at = max(reached(flight.stats.first_window_at, stats.started, now),
+                                                stats.first_token_at)
                 stats.samples += len(pcm)
                 yield AudioChunk(pcm, index, sentence, first, last)
                 first = False
@@ -63,3 +65,10 @@ async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer,
         index += 1
         stats.sentences = index
     stats.finished_at = time.monotonic()
+
+
+def reached(at: float | None, since: float, now: float) -> float:
+    """When a flight's first token (or window) reached a request that started at `since` and got the flight's
+    first audio `now`: the flight's own time where this process made it after the request came; `now` where it was
+    made before (the request joined late) or elsewhere (its audio came through the board, no tokens here)."""
+    return at if at is not None and at >= since else now

@@ -162,7 +162,10 @@ class Queued(Event, tag="queued", omit_defaults=True):
 
 class Started(Event, tag="started"):
     """The utterance's first audio left the server. Where the time went, in ms since the `speak`: first token from
-    the engine (`ttft_ms`), first decode window to SNAC (`ttfw_ms`), first audio out (`ttfa_ms`)."""
+    the engine (`ttft_ms`), first decode window to SNAC (`ttfw_ms`), first audio out (`ttfa_ms`). An utterance that
+    follows another request's generation of the same line (the phrase cache's single flight) gets the times its
+    first token and window reached it: its first audio's where they came before its `speak` or from another
+    process. Both are null when its first sentence was a phrase-cache hit (no engine request) and for a `repeat`."""
 
     id: str
     ttfa_ms: float | None
