@@ -35,7 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from gateway.edge.app import create_app
     from gateway.edge.http import GATEWAY_KEY
-    from gateway.speech.synthesizer import require_checkpoints
+    from gateway.speech.checkpoints import require_checkpoints
 
     config = config_mod.from_sources(args)
     _configure_logging(config.log_level)

@@ -17,7 +17,7 @@ import pytest
 from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.media.encoder import new_opus_encoder
 from gateway.media.formats import StreamEncoder
-from gateway.media.playout import CHANNEL_LAYOUT, FRAME_SAMPLES, SAMPLE_FORMAT, SAMPLE_RATE_OUT
+from gateway.media.output_frames import CHANNEL_LAYOUT, FRAME_SAMPLES, SAMPLE_FORMAT, SAMPLE_RATE_OUT
 from gateway.media.stretch import TimeStretcher
 
 OBJECTS = 12  # alive at once; with FFmpeg's auto thread pools each would hold one thread per core

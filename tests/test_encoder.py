@@ -12,7 +12,8 @@ from aiortc.jitterbuffer import JitterFrame
 
 from gateway.config import ConfigError, from_sources
 from gateway.media.encoder import SILENCE_TAIL_FRAMES, OpusTrack
-from gateway.media.playout import FRAME_SAMPLES, PlayoutTrack
+from gateway.media.output_frames import FRAME_SAMPLES
+from gateway.media.playout import PlayoutTrack
 
 SPEECH_LEVEL = 4000
 FRAMES = 25

@@ -16,7 +16,7 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.devtools.client import HeadlessPeer, ReceivedFrame
 from gateway.edge.state import GatewayState
-from gateway.media.playout import FRAME_SAMPLES
+from gateway.media.output_frames import FRAME_SAMPLES
 from gateway.rtc import timings as rtc_timings
 from gateway.rtc.session import Session
 from gateway.speech.synthesizer import Synthesizer

@@ -16,15 +16,8 @@ from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import compute_audio_level_dbov
 
 from gateway.config import JITTER_BUFFER_MAX_MS
-from gateway.media.playout import (
-    FRAME_MS,
-    FRAME_SAMPLES,
-    FRAME_SECONDS,
-    REANCHOR_LATENESS_S,
-    SAMPLE_RATE_IN,
-    SAMPLE_RATE_OUT,
-    PlayoutTrack,
-)
+from gateway.media.output_frames import FRAME_MS, FRAME_SAMPLES, FRAME_SECONDS, SAMPLE_RATE_OUT
+from gateway.media.playout import REANCHOR_LATENESS_S, SAMPLE_RATE_IN, PlayoutTrack
 from gateway.media.playout_events import Marker, MarkerReached, PlayoutEvent, UtteranceFinished, UtteranceStarted
 from tests.support import ManualClock
 

@@ -19,7 +19,8 @@ from gateway.devtools.client import RECEIVE_PREFETCH_PACKETS, HeadlessPeer
 from gateway.edge.app import create_app
 from gateway.edge.http import GATEWAY_KEY
 from gateway.edge.state import GatewayState
-from gateway.media.playout import FRAME_SAMPLES, FRAME_SECONDS, REANCHOR_LATENESS_S
+from gateway.media.output_frames import FRAME_SAMPLES, FRAME_SECONDS
+from gateway.media.playout import REANCHOR_LATENESS_S
 from gateway.media.playout_events import UtteranceStarted
 from gateway.rtc.protocol import MAX_MESSAGE_BYTES
 from gateway.rtc.session import Session

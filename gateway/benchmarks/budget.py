@@ -17,7 +17,8 @@ from typing import Any
 from gateway.benchmarks.timing import token_budget
 from gateway.model_table import LoraAdapter
 from gateway.orpheus import build_prompt
-from gateway.speech.synthesizer import Synthesizer, VoicedSentence, voiced_sentences
+from gateway.speech.synthesizer import Synthesizer
+from gateway.speech.utterance_text import VoicedSentence, voiced_sentences
 
 
 class BudgetedEngine:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from gateway.media.playout import FRAME_SAMPLES
+from gateway.media.output_frames import FRAME_SAMPLES
 from gateway.orpheus import SAMPLE_RATE
 from gateway.rtc.rtpclock import RTP_MODULO
 

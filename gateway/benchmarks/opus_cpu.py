@@ -28,7 +28,8 @@ from aiortc.codecs.opus import OpusEncoder
 from gateway.benchmarks.records import MS
 from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.media.encoder import OpusTrack
-from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, PlayoutTrack
+from gateway.media.output_frames import FRAME_SAMPLES, SAMPLE_RATE_OUT
+from gateway.media.playout import PlayoutTrack
 
 SPEECH_LEVEL = 3000
 

@@ -34,7 +34,7 @@ from gateway.benchmarks.settings import BenchOptions
 from gateway.config import GatewayConfig
 from gateway.devtools.client import OPUS_RATE, SILENCE_RMS, HeadlessPeer, ReceivedEvent, ReceivedFrame
 from gateway.edge.app import create_app
-from gateway.media.playout import FRAME_MS
+from gateway.media.output_frames import FRAME_MS
 from gateway.rtc.rtpclock import RTP_MODULO
 from gateway.speech.synthesizer import Synthesizer
 

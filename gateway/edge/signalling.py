@@ -29,7 +29,7 @@ from gateway.rtc.ice import client_id, ice_servers, uses_turn_secret
 from gateway.rtc.session import Session
 from gateway.service.errors import CapacityError
 from gateway.speech.errors import InvalidRequestError
-from gateway.speech.synthesizer import choose_voice
+from gateway.speech.utterance_text import choose_voice
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ from gateway.orpheus import SAMPLE_RATE, build_prompt, split_sentences
 from gateway.phrases.speech import cached_sentences
 from gateway.service.errors import CapacityError
 from gateway.speech.errors import ENGINE_RETRY_AFTER_S, EngineDeadError, EngineUnavailableError, InvalidRequestError
-from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, voiced_sentences
+from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats
+from gateway.speech.utterance_text import voiced_sentences
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,9 @@ from gateway.media.pcm_out import PcmOutput
 from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot
 from gateway.service.errors import CapacityError
-from gateway.speech.synthesizer import InvalidRequestError, Synthesizer, UtteranceStats, check_text
+from gateway.speech.errors import InvalidRequestError
+from gateway.speech.synthesizer import Synthesizer, UtteranceStats
+from gateway.speech.utterance_text import check_text
 
 log = logging.getLogger(__name__)
 

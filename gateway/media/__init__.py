@@ -1,8 +1,10 @@
 """Media: what happens to PCM after synthesis. Each session's paced 20 ms playout track with its jitter buffer
-(`playout.PlayoutTrack`, which owns time, with an injectable clock) and its Opus stage (`encoder.OpusTrack`);
-the HTTP formats (`formats`) and raw PCM at a client's rate (`pcm_out`).
+(`playout.PlayoutTrack`, which owns time, with an injectable clock; `output_frames`: the output format and each
+utterance's PCM cut into whole frames of it) and its Opus stage (`encoder.OpusTrack`); the HTTP formats
+(`formats`) and raw PCM at a client's rate (`pcm_out`).
 
-Owns: playout, Opus encoding, the output format (48 kHz, mono, s16), and its exceptions (`errors`).
+Owns: playout, Opus encoding, the output format (48 kHz, mono, s16: `output_frames`), and its exceptions
+(`errors`).
 May import: `gateway.config`, `gateway.orpheus`, av, numpy, aiortc's track types. Not `gateway.speech`: media
 takes PCM, whoever made it.
 

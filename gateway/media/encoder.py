@@ -15,7 +15,7 @@ import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamTrack
 
-from gateway.media.playout import CHANNEL_LAYOUT, FRAME_SAMPLES, SAMPLE_FORMAT, SAMPLE_RATE_OUT
+from gateway.media.output_frames import CHANNEL_LAYOUT, FRAME_SAMPLES, SAMPLE_FORMAT, SAMPLE_RATE_OUT
 
 TIME_BASE = Fraction(1, SAMPLE_RATE_OUT)
 # Silent frames still run through the encoder right after audio: Opus holds 6.5 ms of the last audio frame

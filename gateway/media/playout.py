@@ -7,7 +7,8 @@ its own jitter buffer (it starts once ``jitter_buffer_ms`` of its audio is in, o
 start is an underrun (silence sent and counted; play resumes with the next whole frame, no re-buffering), except
 after the last whole frame of an utterance whose end then arrives. An utterance ready while the track idles starts
 at once instead of at the next slot (TTFA 0-20 ms sooner). The start counts pushed (input) audio, so the
-resampler's filter delay never holds it back.
+resampler's filter delay never holds it back. Each utterance's audio is resampled and cut into whole 20 ms frames
+by its `output_frames.FrameCutter`; this track decides when each frame leaves.
 
 Call everything from the event loop that runs ``recv``, except :meth:`PlayoutTrack.lead_s` (the SNAC decoder's
 thread reads it, lock-free). One consumer: fan out with ``aiortc.contrib.media.MediaRelay``.
@@ -22,13 +23,25 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from gateway.config import JITTER_BUFFER_MAX_MS
+from gateway.media.output_frames import (
+    CHANNEL_LAYOUT,
+    FRAME_BYTES,
+    FRAME_MS,
+    FRAME_SAMPLES,
+    FRAME_SECONDS,
+    MS_PER_SECOND,
+    SAMPLE_FORMAT,
+    SAMPLE_RATE_OUT,
+    TIME_BASE,
+    FrameCutter,
+    FramePayload,
+)
 from gateway.media.playout_events import (
     Marker,
     MarkerReached,
@@ -40,31 +53,13 @@ from gateway.media.playout_events import (
 from gateway.orpheus import SAMPLE_RATE
 
 __all__ = [
-    "CHANNEL_LAYOUT",
-    "FRAME_MS",
-    "FRAME_SAMPLES",
-    "SAMPLE_FORMAT",
     "SAMPLE_RATE_IN",
-    "SAMPLE_RATE_OUT",
     "PlayoutTrack",
 ]
 
 logger = logging.getLogger(__name__)
 
-# --- Output format: exactly what aiortc's OpusEncoder accepts (s16, mono or
-# stereo, 48 kHz; it repacketises to 960-sample frames itself, but we already
-# hand it 20 ms so nothing is buffered inside the encoder).
-SAMPLE_RATE_OUT = 48000
-FRAME_MS = 20
-MS_PER_SECOND = 1000
-FRAME_SAMPLES = SAMPLE_RATE_OUT * FRAME_MS // MS_PER_SECOND  # 960
-FRAME_SECONDS = FRAME_MS / MS_PER_SECOND
-SAMPLE_FORMAT = "s16"
-CHANNEL_LAYOUT = "mono"
-PCM_DTYPE = np.dtype(np.int16)
-FRAME_BYTES = FRAME_SAMPLES * PCM_DTYPE.itemsize  # 1920
-TIME_BASE = Fraction(1, SAMPLE_RATE_OUT)
-
+# The output format (48 kHz mono s16, 20 ms frames) is `output_frames`'.
 SAMPLE_RATE_IN = SAMPLE_RATE  # the input: SNAC's 24 kHz mono int16 PCM (gateway.orpheus)
 MIN_JITTER_BUFFER_MS = 0  # ms of an utterance's audio queued before it starts; the maximum is the configuration's
 
@@ -82,21 +77,15 @@ MAX_LOGGED_ERRORS = 5
 MAX_UNDERRUNS_LISTED = 16  # underrun positions a finished utterance reports (its count has them all)
 
 _SILENCE = bytes(FRAME_BYTES)  # built once: every silence frame copies from this
-_FramePayload = bytes | np.ndarray  # a queued frame: exactly FRAME_BYTES of s16 samples (bytes or an int16 view)
 
 
 @dataclass(slots=True, eq=False)
 class _Utterance:
     utterance_id: str
     start_threshold_in: int  # input samples pushed before playback may start
-    resampler: av.AudioResampler | None
-    frames: deque[_FramePayload] = field(default_factory=deque)
-    # Resampled samples not yet making a whole frame (reused buffer).
-    partial: np.ndarray = field(default_factory=lambda: np.zeros(FRAME_SAMPLES, dtype=PCM_DTYPE))
-    partial_len: int = 0
+    cut: FrameCutter  # its pushed audio as whole output frames (`cut.frames`, `cut.in_samples`)
     # (frame index within the utterance, marker); indices are monotonic.
     markers: deque[tuple[int, Marker]] = field(default_factory=deque)
-    in_samples: int = 0
     frames_played: int = 0
     ended: bool = False
     started: bool = False
@@ -114,8 +103,8 @@ class _Utterance:
 def _startable(utt: _Utterance) -> bool:
     """An unstarted utterance may start: a whole frame is queued and its jitter buffer is full (or it has ended),
     or it ended with no audio at all (it finishes at once)."""
-    if utt.frames:
-        return utt.ended or utt.in_samples >= utt.start_threshold_in
+    if utt.cut.frames:
+        return utt.ended or utt.cut.in_samples >= utt.start_threshold_in
     return utt.ended
 
 
@@ -201,7 +190,7 @@ class PlayoutTrack(MediaStreamTrack):
         utt = _Utterance(
             utterance_id=utterance_id,
             start_threshold_in=math.ceil(jitter_buffer_ms * self._in_rate / MS_PER_SECOND),
-            resampler=av.AudioResampler(format=SAMPLE_FORMAT, layout=CHANNEL_LAYOUT, rate=SAMPLE_RATE_OUT),
+            cut=FrameCutter(self._in_rate),
         )
         self._queue.append(utt)
         self._by_id[utterance_id] = utt
@@ -219,24 +208,7 @@ class PlayoutTrack(MediaStreamTrack):
             return False
         if utt.ended:
             raise ValueError(f"utterance {utterance_id!r} was already ended")
-        if not isinstance(pcm, np.ndarray) or pcm.dtype != PCM_DTYPE:
-            raise ValueError(f"pcm must be an int16 numpy array, got {getattr(pcm, 'dtype', type(pcm).__name__)}")
-        if pcm.ndim != 1:
-            if pcm.size != max(pcm.shape, default=0):
-                raise ValueError(f"pcm must be mono, got shape {pcm.shape}")
-            pcm = pcm.reshape(-1)
-        if pcm.size == 0:
-            return True
-        assert utt.resampler is not None  # only None once ended
-        frame = av.AudioFrame.from_ndarray(
-            np.ascontiguousarray(pcm).reshape(1, -1),
-            format=SAMPLE_FORMAT,
-            layout=CHANNEL_LAYOUT,
-        )
-        frame.sample_rate = self._in_rate
-        utt.in_samples += pcm.size
-        for out in utt.resampler.resample(frame):
-            self._append_resampled(utt, out.to_ndarray().reshape(-1))
+        self._queued_frames += utt.cut.push(pcm)
         self._start_early(utt)
         return True
 
@@ -252,8 +224,7 @@ class PlayoutTrack(MediaStreamTrack):
             return False
         if utt.ended:
             raise ValueError(f"utterance {utterance_id!r} was already ended")
-        out_pos = utt.in_samples * SAMPLE_RATE_OUT // self._in_rate
-        utt.markers.append((out_pos // FRAME_SAMPLES, marker))
+        utt.markers.append((utt.cut.next_frame_index(), marker))
         return True
 
     def end_utterance(self, utterance_id: str) -> bool:
@@ -266,18 +237,8 @@ class PlayoutTrack(MediaStreamTrack):
             return False
         if utt.ended:
             return True
-        waited_for_the_end = utt.in_underrun and not utt.frames  # dry, and no whole frame came since
-        if utt.resampler is not None:
-            # Flushing drains the resampler's filter delay (~32 samples), so
-            # the utterance keeps exactly 2x its input samples.
-            for out in utt.resampler.resample(None):
-                self._append_resampled(utt, out.to_ndarray().reshape(-1))
-            utt.resampler = None
-        if utt.partial_len:
-            utt.partial[utt.partial_len :] = 0
-            utt.frames.append(utt.partial.tobytes())
-            utt.partial_len = 0
-            self._queued_frames += 1
+        waited_for_the_end = utt.in_underrun and not utt.cut.frames  # dry, and no whole frame came since
+        self._queued_frames += utt.cut.end()
         if waited_for_the_end:
             self._uncount_underrun(utt)
         utt.ended = True
@@ -326,14 +287,14 @@ class PlayoutTrack(MediaStreamTrack):
         utt = self._by_id.get(utterance_id)
         if utt is None:
             return None
-        own = len(utt.frames) * FRAME_SECONDS
+        own = len(utt.cut.frames) * FRAME_SECONDS
         if utt.started:
             return own
         ahead = 0
         for other in tuple(self._queue):
             if other is utt:
                 break
-            ahead += len(other.frames)
+            ahead += len(other.cut.frames)
         else:
             return None  # dropped or finished since the lookup above
         return ahead * FRAME_SECONDS + max(own, utt.start_threshold_in / self._in_rate)
@@ -454,7 +415,7 @@ class PlayoutTrack(MediaStreamTrack):
         if self._queue and self._queue[0] is utt and not utt.started and _startable(utt):
             waiter.set_result(True)
 
-    def _make_frame(self, payload: _FramePayload) -> av.AudioFrame:
+    def _make_frame(self, payload: FramePayload) -> av.AudioFrame:
         frame = av.AudioFrame(format=SAMPLE_FORMAT, layout=CHANNEL_LAYOUT, samples=FRAME_SAMPLES)
         # update() memcpys and rejects anything but exactly FRAME_BYTES.
         frame.planes[0].update(payload)
@@ -463,7 +424,7 @@ class PlayoutTrack(MediaStreamTrack):
         frame.time_base = TIME_BASE
         return frame
 
-    def _next_payload(self) -> _FramePayload:
+    def _next_payload(self) -> FramePayload:
         """Pick this slot's frame, advancing utterance state and queueing events."""
         if self._force_silence:
             self._force_silence = False
@@ -476,8 +437,8 @@ class PlayoutTrack(MediaStreamTrack):
                     return _SILENCE  # pre-roll: still filling the buffer (jitter 0 waits for 1 frame)
                 utt.started = True
                 self._pending_events.append(UtteranceStarted(utt.utterance_id, self._event_time, self._pts()))
-            if utt.frames:
-                payload = utt.frames.popleft()
+            if utt.cut.frames:
+                payload = utt.cut.frames.popleft()
                 self._queued_frames -= 1
                 index = utt.frames_played
                 utt.frames_played += 1
@@ -488,7 +449,7 @@ class PlayoutTrack(MediaStreamTrack):
                 markers = utt.markers
                 while markers and markers[0][0] <= index:
                     self._queue_marker(utt, markers.popleft())
-                if utt.ended and not utt.frames:
+                if utt.ended and not utt.cut.frames:
                     self._finish(utt)
                 return payload
             if utt.ended:
@@ -564,34 +525,9 @@ class PlayoutTrack(MediaStreamTrack):
                 if self._callback_errors <= MAX_LOGGED_ERRORS:
                     logger.exception("playout on_event callback raised for %s", event)
 
-    def _append_resampled(self, utt: _Utterance, out: np.ndarray) -> None:
-        """Cut resampled samples into whole frames; keep the remainder."""
-        n = out.shape[0]
-        pos = 0
-        if utt.partial_len:
-            take = min(FRAME_SAMPLES - utt.partial_len, n)
-            utt.partial[utt.partial_len : utt.partial_len + take] = out[:take]
-            utt.partial_len += take
-            pos = take
-            if utt.partial_len == FRAME_SAMPLES:
-                utt.frames.append(utt.partial.tobytes())
-                utt.partial_len = 0
-                self._queued_frames += 1
-        whole_end = pos + (n - pos) // FRAME_SAMPLES * FRAME_SAMPLES
-        # Views into `out` (no copy); update() copies them into the AVFrame.
-        for start in range(pos, whole_end, FRAME_SAMPLES):
-            utt.frames.append(out[start : start + FRAME_SAMPLES])
-        self._queued_frames += (whole_end - pos) // FRAME_SAMPLES
-        tail = n - whole_end
-        if tail:
-            utt.partial[:tail] = out[whole_end:]
-            utt.partial_len = tail
-
     def _drop(self, utt: _Utterance) -> None:
-        self._queued_frames -= len(utt.frames)
-        utt.frames.clear()
+        self._queued_frames -= utt.cut.drop()
         utt.markers.clear()
-        utt.resampler = None
         self._by_id.pop(utt.utterance_id, None)
 
     def _count_error(self, what: str) -> None:

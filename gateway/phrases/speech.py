@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from gateway.phrases.cache import PhraseCache
 from gateway.phrases.entry import PhraseEntry
-from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, VoicedSentence, aiter_of
+from gateway.speech.synthesizer import AudioChunk, Synthesizer, UtteranceStats, aiter_of
+from gateway.speech.utterance_text import VoicedSentence
 
 
 @dataclass

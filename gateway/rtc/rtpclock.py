@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from aiortc import RTCPeerConnection, RTCRtpSender
 
-from gateway.media.playout import FRAME_SAMPLES
+from gateway.media.output_frames import FRAME_SAMPLES
 
 RTP_MODULO = 1 << 32
 _LAST_TIMESTAMP = "_RTCRtpSender__rtp_timestamp"

@@ -20,7 +20,8 @@ from aiortc import RTCDataChannel, RTCPeerConnection
 
 from gateway.config import GatewayConfig
 from gateway.media.encoder import OpusTrack
-from gateway.media.playout import SAMPLE_RATE_OUT, PlayoutTrack
+from gateway.media.output_frames import SAMPLE_RATE_OUT
+from gateway.media.playout import PlayoutTrack
 from gateway.orpheus import SentenceSplitter
 from gateway.phrases.cache import PhraseCache
 from gateway.rtc import protocol
@@ -34,7 +35,8 @@ from gateway.rtc.utterance import Utterance
 from gateway.service.admission import Slot, TokenBucket
 from gateway.speech.errors import EngineUnavailableError, InvalidRequestError
 from gateway.speech.language_spans import has_markup, parse_spans
-from gateway.speech.synthesizer import Synthesizer, check_text, choose_voice, span_voices
+from gateway.speech.synthesizer import Synthesizer
+from gateway.speech.utterance_text import check_text, choose_voice, span_voices
 
 log = logging.getLogger(__name__)
 

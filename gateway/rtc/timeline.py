@@ -32,7 +32,8 @@ import numpy as np
 from aiortc import RTCPeerConnection
 
 from gateway.media.errors import InvalidRateError
-from gateway.media.playout import FRAME_SAMPLES, SAMPLE_RATE_OUT, PlayoutTrack
+from gateway.media.output_frames import FRAME_SAMPLES, SAMPLE_RATE_OUT
+from gateway.media.playout import PlayoutTrack
 from gateway.media.playout_events import Marker
 from gateway.media.stretch import LESSON_RATE_RANGE, TimeStretcher, check_rate
 from gateway.orpheus import SAMPLE_RATE, SentenceSplitter

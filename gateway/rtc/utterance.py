@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from gateway.model_table import espeak_language
 from gateway.orpheus import SentenceSplitter, split_sentences
 from gateway.speech.language_spans import LanguageSpan
-from gateway.speech.synthesizer import UtteranceStats, VoicedSentence
+from gateway.speech.synthesizer import UtteranceStats
+from gateway.speech.utterance_text import VoicedSentence
 
 if TYPE_CHECKING:
     from gateway.rtc.replay import Sentence

@@ -1,11 +1,13 @@
 """Where the model, tokenizer and SNAC come from: a local folder, the Hugging Face cache, or the hub. Checked
-before anything loads, so a start-up that cannot succeed says why in one line instead of retrying and tracing."""
+before anything loads (`require_checkpoints`: everything a configuration loads), so a start-up that cannot succeed
+says why in one line instead of retrying and tracing."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from gateway.config import GatewayConfig
 from gateway.speech.errors import CheckpointNotFoundError
 
 HUB_CHECK_TIMEOUT_S = 5.0  # one quick question to the hub; its client would otherwise retry for a long while
@@ -55,3 +57,22 @@ def _hub_has(repo_id: str) -> str | None:
     except Exception as exc:  # no network, DNS, proxy, timeout: all mean the same to the operator
         return f"hub unreachable: {type(exc).__name__}"
     return None
+
+
+def require_checkpoints(config: GatewayConfig) -> None:
+    """Everything this configuration loads is there (or to be had): one clear line otherwise."""
+    if config.tokenizer:
+        require_checkpoint(config.tokenizer, "tokenizer", "--tokenizer")
+    for name, spec in config.model_table.models.items():
+        if spec.lora_of is not None:
+            require_checkpoint(spec.path, f"LoRA adapter {name!r}", "--lora or [loras] in --models-file")
+            continue
+        what = "model" if not config.model_table.several else f"model {name!r}"
+        if config.tokenizer:
+            pass
+        elif not (config.vllm_urls or spec.vllm_urls):
+            require_checkpoint(spec.path, what, "--model")
+        else:  # the servers have the weights; the tokenizer still comes from --model here
+            require_checkpoint(spec.path, f"{what} (its tokenizer)", "--model or --tokenizer")
+    if not config.snac_socket:
+        require_checkpoint(config.snac_model, "SNAC codec", "--snac-model")

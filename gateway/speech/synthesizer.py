@@ -5,7 +5,8 @@ process or in the shared SNAC process) -> PCM chunks.
 
 Sentences of one utterance play back to back: the next sentence's generation starts as soon as the
 previous one has finished generating (its audio is still being decoded and played), so there is no gap
-at the join, and a short fade at each join keeps it free of clicks.
+at the join, and a short fade at each join keeps it free of clicks. The request rules and the sentences a text is
+cut into are `utterance_text`'s; what a configuration must find before it loads is `checkpoints`'.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
 from gateway.config import GatewayConfig
-from gateway.model_table import ModelTableError
 from gateway.orpheus import (
     SAMPLE_RATE,
     SLOTS_PER_FRAME,
@@ -31,65 +31,20 @@ from gateway.orpheus import (
     Frame,
     build_prompt,
     sentence_token_cap,
-    split_sentences,
 )
-from gateway.speech.checkpoints import require_checkpoint
+from gateway.speech.checkpoints import require_checkpoints
 from gateway.speech.codec.client import CodecStreamClient, wait_for_server
 from gateway.speech.decoder import Decoder, DecoderSettings, load_stream_decoder
 from gateway.speech.engine import EngineBase, OrpheusEngine
-from gateway.speech.errors import InvalidRequestError
 from gateway.speech.first_audio import FAST_START_BURST_WINDOW_S, fast_start_in_time, fast_start_margin_s
-from gateway.speech.language_spans import LanguageSpan, has_markup, parse_spans
 from gateway.speech.remote import RemoteEngine
 from gateway.speech.stream_decoder import FIRST_AUDIO_LOOKAHEAD, DecodeStream
+from gateway.speech.utterance_text import VoicedSentence, check_text, choose_voice, voiced_sentences
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 FIRST_TOKENS_KEPT = 1024  # recent first tokens a fast start looks back over: a larger burst still reads as one
-
-
-def resolve_voice(voices: list[str], default: str, voice: str | None,
-                  aliases: Mapping[str, str] | None = None) -> str:
-    """The voice to speak with: `voice` when it is one of `voices` (or an alias of one), `default` when none is
-    named."""
-    if voice is None or voice == "":
-        return default
-    if aliases and voice in aliases:
-        return aliases[voice]
-    if voice not in voices:
-        raise InvalidRequestError("unknown_voice", f"unknown voice {voice!r}; known voices: {voices}"
-                                  + (f" and their aliases {sorted(aliases)}" if aliases else ""))
-    return voice
-
-
-def choose_voice(config: GatewayConfig, voice: str | None, language: str | None = None,
-                 aliases: Mapping[str, str] | None = None) -> str:
-    """The served voice of a request's `voice` (a voice, `model/voice`, or an alias of one) and/or `language`
-    (BCP-47: a language alone picks its model's default voice); InvalidRequestError listing what is served."""
-    if language is not None and not isinstance(language, str):
-        raise InvalidRequestError("invalid_language", "language must be a BCP-47 tag such as en-US or pt-BR")
-    if voice and aliases and voice in aliases:
-        voice = aliases[voice]
-    try:
-        return config.model_table.choose(voice or None, language or None, config.voice)
-    except ModelTableError as exc:
-        raise InvalidRequestError(exc.code, str(exc)
-                                  + (f"; aliases: {sorted(aliases)}" if aliases and exc.code == "unknown_voice"
-                                     else "")) from None
-
-
-def check_text(text: Any, max_chars: int, *, so_far: int = 0, allow_empty: bool = False) -> str:
-    """The one rule for text to speak: a string, not blank (unless more of it follows: `allow_empty`), and at
-    most `max_chars` characters with the `so_far` characters of the same utterance that came before it."""
-    if not isinstance(text, str):
-        raise InvalidRequestError("invalid_text", "text must be a string")
-    if not allow_empty and not text.strip():
-        raise InvalidRequestError("empty_text", "text is empty")
-    if so_far + len(text) > max_chars:
-        raise InvalidRequestError("text_too_long", f"text has {so_far + len(text)} characters; the limit is "
-                                  f"{max_chars}")
-    return text
 
 
 @dataclass(frozen=True)
@@ -100,34 +55,6 @@ class ModelStats:
     in_flight: int
     requests: int
     tokens: int
-
-
-@dataclass(frozen=True)
-class VoicedSentence:
-    """A sentence spoken by a voice of its own (a span of mixed-language text) instead of the utterance's voice."""
-
-    text: str
-    voice: str
-
-
-def span_voices(config: GatewayConfig, spans: Sequence[LanguageSpan], voice: str) -> list[str]:
-    """The voice of each span of mixed-language text: the utterance's `voice` where its model serves the span's
-    language (or the span names none), else that language's default voice; InvalidRequestError for a language
-    no model serves."""
-    table = config.model_table
-    serving = table.model_for(voice)
-    return [voice if span.language is None or serving.serves_language(span.language)
-            else choose_voice(config, None, span.language) for span in spans]
-
-
-def voiced_sentences(config: GatewayConfig, text: str, voice: str) -> list[str | VoicedSentence]:
-    """The sentences of a whole text, each span of its `<lang>` markup by its own language's voice."""
-    if not has_markup(text):
-        return list(split_sentences(text, config.max_sentence_chars))
-    spans = parse_spans(text)
-    return [sentence if span_voice == voice else VoicedSentence(sentence, span_voice)
-            for span, span_voice in zip(spans, span_voices(config, spans, voice), strict=True)
-            for sentence in split_sentences(text[span.start:span.end], config.max_sentence_chars)]
 
 
 @dataclass
@@ -502,25 +429,6 @@ class Synthesizer:
         stats.samples += len(pcm)
         chunks.put_nowait(AudioChunk(pcm, index, sentence, first, last))
         return False
-
-
-def require_checkpoints(config: GatewayConfig) -> None:
-    """Everything this configuration loads is there (or to be had): one clear line otherwise."""
-    if config.tokenizer:
-        require_checkpoint(config.tokenizer, "tokenizer", "--tokenizer")
-    for name, spec in config.model_table.models.items():
-        if spec.lora_of is not None:
-            require_checkpoint(spec.path, f"LoRA adapter {name!r}", "--lora or [loras] in --models-file")
-            continue
-        what = "model" if not config.model_table.several else f"model {name!r}"
-        if config.tokenizer:
-            pass
-        elif not (config.vllm_urls or spec.vllm_urls):
-            require_checkpoint(spec.path, what, "--model")
-        else:  # the servers have the weights; the tokenizer still comes from --model here
-            require_checkpoint(spec.path, f"{what} (its tokenizer)", "--model or --tokenizer")
-    if not config.snac_socket:
-        require_checkpoint(config.snac_model, "SNAC codec", "--snac-model")
 
 
 @dataclass
