@@ -138,8 +138,8 @@ class GatewayConfig:
                                      "a CPU (no faster there). Adds its compile time to start-up.")
     snac_kernels: bool | None = _opt(None, "Run the exact decoder's residual units as fused Triton kernels (one pass "
                                      "over the activations each, the 1x1 projection on tensor cores; CUDA with "
-                                     "Triton). Default: off, until measured faster than the compiled step "
-                                     "(docs/decisions/snac-kernels.md).")
+                                     "Triton). Default: on where they run (faster than the compiled step alone, "
+                                     "docs/decisions/snac-kernels.md), off on a CPU.")
     snac_placement: str = _opt("shared", "Where SNAC decodes. shared: with --workers, one SNAC process serves every "
                                "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
                                "which the GPU would time-slice); in "

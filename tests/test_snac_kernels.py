@@ -92,14 +92,19 @@ def test_fused_units_are_exact(interpreted: None, snac_model: torch.nn.Module) -
         assert np.abs(a - reference).max() < EXACT
 
 
-def test_kernels_are_asked_for_by_name() -> None:
-    """`--snac-kernels` unset: off (docs/decisions/snac-kernels.md: not yet measured faster than the compiled
-    step); asked for on a CPU, a clear error."""
+def test_kernels_are_on_where_they_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--snac-kernels` unset: on where they run, CUDA with Triton (docs/decisions/snac-kernels.md: faster than
+    the compiled step), off on a CPU; asked for on a CPU, a clear error; turned off by name, off."""
+    from gateway.speech.snac import kernels
+
     assert snac_kernels("cpu", None) is False
-    assert snac_kernels("cuda", None) is False
     assert snac_kernels("cpu", False) is False
     with pytest.raises(ValueError, match="needs CUDA and Triton"):
         snac_kernels("cpu", True)
+    monkeypatch.setattr(kernels, "kernels_available", lambda device: device.type == "cuda")  # a GPU host's answer
+    assert snac_kernels("cuda", None) is True
+    assert snac_kernels("cuda", False) is False
+    assert snac_kernels("cpu", None) is False
 
 
 @pytest.mark.parametrize(("channels", "length", "dilation"), [(64, 150, 9), (128, 40, 3), (256, 33, 1)])

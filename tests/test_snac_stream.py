@@ -363,6 +363,28 @@ def test_a_default_compile_that_fails_falls_back_to_eager(tmp_path: Path, monkey
         StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False, compile=True)
 
 
+def test_default_kernels_that_fail_fall_back_to_the_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """`StreamingSnac.load`: where the fused kernels are only the default (as on a GPU) and cannot run (here:
+    Triton with no GPU driver), the step runs on the layers with a warning; asked for by name
+    (`--snac-kernels`), the failure stops the start."""
+    from gateway.devtools.devmodels import build_test_snac
+    from gateway.speech.snac import pool
+
+    path = str(build_test_snac(tmp_path))
+    monkeypatch.setattr(pool, "snac_kernels", lambda device, kernels: kernels is not False)
+    with caplog.at_level(logging.WARNING, logger=pool.__name__):
+        snac = StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False)
+    assert not snac.kernels and "the fused kernels failed" in caplog.text
+    handle = snac.open_stream()
+    snac.push(handle, make_frames(3, seed=5))
+    snac.finish(handle)
+    while not snac.done(handle):
+        snac.step_batch([handle])
+    with pytest.raises(RuntimeError):
+        StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False, kernels=True)
+
+
 def test_bridge_graphs_emulated(snac_model: torch.nn.Module, decoder: StreamingSnac,
                                 utterances: dict[int, Utterance]) -> None:
     """The bridge's graphs (host logic on CPU, as above): its common lengths replay a graph for batches up to the

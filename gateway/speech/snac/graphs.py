@@ -47,14 +47,15 @@ def snac_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
 
 
 def snac_kernels(device: str, kernels: bool | None) -> bool:
-    """The one reading of `--snac-kernels`' default (None): off until a card measures them faster than the
-    compiled step (docs/decisions/snac-kernels.md); asked for where they cannot run (CUDA with Triton), a
-    ValueError that says why."""
+    """The one reading of `--snac-kernels`' default (None): on where they run (CUDA with Triton), where they beat
+    the compiled step (docs/decisions/snac-kernels.md); asked for where they cannot run, a ValueError that says
+    why."""
     from gateway.speech.snac.kernels import kernels_available
 
-    if kernels and not kernels_available(torch.device(device)):
+    available = kernels_available(torch.device(device))
+    if kernels and not available:
         raise ValueError(f"--snac-kernels needs CUDA and Triton; SNAC runs on {device}")
-    return bool(kernels)
+    return available if kernels is None else kernels
 
 
 def snac_compiles(device: str, compile: bool | None) -> bool:

@@ -1,4 +1,4 @@
-"""Triton kernels of the exact streaming step, used with `--snac-kernels` (CUDA) in place of the layers they fuse;
+"""Triton kernels of the exact streaming step, used on CUDA (`--snac-kernels`) in place of the layers they fuse;
 `layers.DecoderLayers` keeps the reference path with the same numbers up to the rounding of the step's precision.
 
 `residual_unit`: a ResidualUnit step after its first Snake, x + proj(snake2(dwconv7(s))) with s = snake1(x) after
@@ -44,18 +44,18 @@ def _unit_kernel() -> Any:
 
 
 def unit_tiles(channels: int, length: int, interpreted: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_R, BLOCK_T, BLOCK_CO, BLOCK_CI, num_warps) of a unit of `channels` over `length` samples: tiles no
-    longer than the step, streams side by side in a tile up to 64 columns (the projection's tensor-core tile), all
-    output channels of a tile in one program up to 128 (the depthwise part is computed once per channel block).
-    `interpreted` (Triton's interpreter, on a CPU): one tile per stream and channel block, each op one numpy call
-    over it."""
+    """(BLOCK_R, BLOCK_T, BLOCK_CO, BLOCK_CI, num_warps) of a unit of `channels` over `length` samples: 64 columns
+    a tile (one stream's samples, or short streams side by side), up to 256 output channels a program (the
+    depthwise part is computed once per output block) and input channels in blocks of 64: the fastest of the
+    tiles measured per unit shape (docs/decisions/snac-kernels.md). `interpreted` (Triton's interpreter, on a
+    CPU): one tile per stream and channel block, each op one numpy call over it."""
     whole = 1 << (max(16, length) - 1).bit_length()
     if interpreted:
         return 1, whole, min(channels, 128), channels, 4
     block_t = min(64, whole)
     block_r = max(1, 64 // block_t)
-    block_co = min(channels, 128)
-    block_ci = min(channels, 32)
+    block_co = min(channels, 256)
+    block_ci = min(channels, 64)
     return block_r, block_t, block_co, block_ci, 8 if block_co * block_t * block_r >= 8192 else 4
 
 

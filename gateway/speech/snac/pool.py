@@ -56,24 +56,32 @@ class StreamingSnac(StreamBridge):
         units fused with `kernels` (None: `snac_kernels`) before anything runs. On CUDA with `capture_graphs`,
         graphs for batch buckets up to `max_batch` (default: min(max_streams, 512)) are captured at once.
 
-        Where compiling was only the default (`compile` None) and fails (no Triton for this GPU, no C compiler),
-        the step runs eagerly with a warning: exact all the same, only slower. Asked for by name, its failure (or
-        the kernels') stops the start."""
+        Where compiling or the kernels were only the default (None) and fail (no Triton for this GPU, no C
+        compiler), the step runs without them with a warning, kernels first: exact all the same, only slower.
+        Asked for by name, their failure stops the start."""
         from snac import SNAC
 
         device, dtype = snac_device_and_dtype(device, dtype)
         model = SNAC.from_pretrained(name_or_path).eval()
-        fused = snac_kernels(device, kernels)  # only ever on by name: never a default to fall back from
-        snac = cls(model, device, dtype, max_streams, chunk_frames, snac_compiles(device, compile), fused)
-        try:
-            snac.precompile()  # a compiler or kernel that cannot work fails here, before any graph capture
-        except Exception as exc:
-            if compile is not None:
-                raise
-            log.warning("SNAC: compiling the decoder's step failed (%s: %s); it runs eagerly (--no-snac-compile "
-                        "skips the attempt)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            snac = cls(model, device, dtype, max_streams, chunk_frames, False, fused)
-            snac.precompile()  # the kernels asked for, if any: their failure stops the start
+        compiles, fused = snac_compiles(device, compile), snac_kernels(device, kernels)
+        attempts = [(compiles, fused)]
+        if fused and kernels is None:
+            attempts.append((compiles, False))
+        if compiles and compile is None:
+            attempts.append((False, attempts[-1][1]))
+        for n, (compiled, fused) in enumerate(attempts):
+            snac = cls(model, device, dtype, max_streams, chunk_frames, compiled, fused)
+            try:
+                snac.precompile()  # a compiler or kernel that cannot work fails here, before any graph capture
+                break
+            except Exception as exc:
+                if n == len(attempts) - 1:
+                    raise
+                drops_kernels = fused and not attempts[n + 1][1]
+                what, then, flag = (("the fused kernels", "without them", "--no-snac-kernels") if drops_kernels
+                                    else ("compiling the decoder's step", "eagerly", "--no-snac-compile"))
+                log.warning("SNAC: %s failed (%s: %s); it runs %s (%s skips the attempt)", what,
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", then, flag)
         if capture_graphs:
             snac.capture_graphs(max_batch)
         return snac
