@@ -16,7 +16,8 @@
 # env: NAME (output folder under $OUT), TRAFFIC_USERS (128,256), MIXED_USERS (1,64), LORA_USERS (128,256),
 #      LORA_RANK (32), KV_GIB (20: the two run's KV cache per engine, ~180k tokens of the 3B shape),
 #      BENCH_ARGS (more gateway.benchmarks.run flags for all three), RUNS ("alone two lora"),
-#      T_ALONE / T_TWO / T_LORA (each run's timeout, s; all within CALL_S, 585),
+#      T_ALONE / T_TWO / T_LORA (each run's timeout, s; all within CALL_S, 585; the first engine of a lease
+#      starts in ~150 s, its compile caches cold: alone gets 240),
 #      MPS (non-empty: under an NVIDIA MPS daemon, as call 3)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}
 source $REPO/tools/device/carried.sh  # folders from the stage calls (pack.py)
@@ -49,7 +50,7 @@ bench() {  # bench RUN TIMEOUT FLAGS...: one gateway.benchmarks.run into $OUT/$N
 }
 for RUN in ${RUNS:-alone two lora}; do
   case $RUN in
-    alone) bench alone ${T_ALONE:-160} --models 1 --scenario traffic --traffic-users $TRAFFIC_USERS ;;
+    alone) bench alone ${T_ALONE:-240} --models 1 --scenario traffic --traffic-users $TRAFFIC_USERS ;;
     two) bench two ${T_TWO:-230} --models 2 --kv-cache-memory-gib ${KV_GIB:-20} --scenario traffic,mixed-spans \
            --traffic 50/50,80/20 --traffic-users $TRAFFIC_USERS --mixed-spans-users $MIXED_USERS ;;
     lora) bench lora ${T_LORA:-180} --lora-voice --lora-rank ${LORA_RANK:-32} --scenario lora --lora-users $LORA_USERS ;;
