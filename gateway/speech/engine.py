@@ -420,10 +420,18 @@ def lora_request(lora: LoraAdapter | None) -> Any:
 async def _shut_down(llm: Any) -> None:
     """Stop an AsyncLLM's engine core and its background work, once.
 
+    `AsyncLLM.shutdown` stops the engine core before it cancels its output handler, which then logs the dead
+    engine as an error with a traceback at every clean stop; with no request left to hear of it, the handler is
+    cancelled first (requests still open keep it, so they end with the engine's error instead of waiting forever).
     `AsyncLLM.__del__` calls `shutdown` again whenever the object is collected, which may be during interpreter
     teardown, when the module globals it calls are gone: a `TypeError` traceback at the exit of every command. So
     after the real shutdown, the instance's `shutdown` is one that does nothing.
     """
+    handler = getattr(llm, "output_handler", None)
+    if handler is not None and not handler.done() and llm.get_num_unfinished_requests() == 0:
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
     try:
         await asyncio.to_thread(llm.shutdown)
     finally:
