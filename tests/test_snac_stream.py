@@ -334,6 +334,15 @@ def test_compiled_step_matches_eager(snac_model: torch.nn.Module, utterances: di
     assert any(c.taps for c in snac.decoder.pre) and all(u.conv.taps for b in snac.decoder.blocks for u in b.units)
 
 
+def decode_to_the_end(snac: StreamingSnac) -> None:
+    """One short stream through the decoder to its last step (a decoder that loaded really runs)."""
+    handle = snac.open_stream()
+    snac.push(handle, make_frames(3, seed=5))
+    snac.finish(handle)
+    while not snac.done(handle):
+        snac.step_batch([handle])
+
+
 def test_a_default_compile_that_fails_falls_back_to_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """`StreamingSnac.load`: where compiling is only the default (as on a GPU) and the compiler fails (here: one
@@ -354,11 +363,7 @@ def test_a_default_compile_that_fails_falls_back_to_eager(tmp_path: Path, monkey
     with caplog.at_level(logging.WARNING, logger=pool.__name__):
         snac = StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False)
     assert not snac.compiled and "runs eagerly" in caplog.text
-    handle = snac.open_stream()
-    snac.push(handle, make_frames(3, seed=5))
-    snac.finish(handle)
-    while not snac.done(handle):
-        snac.step_batch([handle])
+    decode_to_the_end(snac)
     with pytest.raises(RuntimeError, match="no compiler"):
         StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False, compile=True)
 
@@ -376,11 +381,7 @@ def test_default_kernels_that_fail_fall_back_to_the_layers(tmp_path: Path, monke
     with caplog.at_level(logging.WARNING, logger=pool.__name__):
         snac = StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False)
     assert not snac.kernels and "the fused kernels failed" in caplog.text
-    handle = snac.open_stream()
-    snac.push(handle, make_frames(3, seed=5))
-    snac.finish(handle)
-    while not snac.done(handle):
-        snac.step_batch([handle])
+    decode_to_the_end(snac)
     with pytest.raises(RuntimeError):
         StreamingSnac.load(path, "cpu", "float32", max_streams=2, capture_graphs=False, kernels=True)
 

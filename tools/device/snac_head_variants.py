@@ -14,7 +14,6 @@ the polyphase outputs from today's (float32 and the run's dtype). CPU smoke chec
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from snac.layers import snake
 from torch.nn import functional as nnf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from snac_unit_tiles import timed  # the same CUDA-event timing as the unit sweep
+from snac_unit_tiles import bench_parser, bench_setup, timed  # the unit sweep's options and timing
 
 # SNAC 24 kHz's decoder blocks: (input channels, stride, new input samples per stream in a one-frame step).
 BLOCKS = ((1024, 8, 4), (512, 8, 32), (256, 4, 256), (128, 2, 1024))
@@ -78,19 +77,10 @@ def bench_block(channels: int, stride: int, new: int, batch: int, device: torch.
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON results file")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch", type=int, default=256, help="streams per step")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 20 on CUDA, 1 on CPU)")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
-                              "torch": torch.__version__, "batch": args.batch, "dtype": str(dtype), "blocks": []}
+    args = bench_parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    device, dtype, repeats, report = bench_setup(args, "blocks")
     for channels, stride, new in BLOCKS:
-        row = bench_block(channels, stride, new, args.batch, device, dtype, args.repeats or (20 if cuda else 1), cuda)
+        row = bench_block(channels, stride, new, args.batch, device, dtype, repeats, device.type == "cuda")
         report["blocks"].append(row)
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(report, indent=1))  # a lease can end mid-run: keep what is done

@@ -130,20 +130,33 @@ def bench_shape(channels: int, length: int, dilation: int, batch: int, device: t
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_parser(description: str) -> argparse.ArgumentParser:
+    """The options of every SNAC micro-benchmark here: --out, --device, --batch, --repeats."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=256, help="streams per step")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 20 on CUDA, 1 on CPU)")
-    parser.add_argument("--quick", action="store_true", help="only unit_tiles' choice (a smoke check)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def bench_setup(args: argparse.Namespace, rows: str) -> tuple[torch.device, torch.dtype, int, dict[str, Any]]:
+    """The device, its dtype (bfloat16 on CUDA, float32 elsewhere), the timed calls, and the report's header
+    with an empty list of `rows`."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    repeats = args.repeats or (20 if cuda else 1)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
-                              "torch": torch.__version__, "batch": args.batch, "dtype": str(dtype), "units": []}
+                              "torch": torch.__version__, "batch": args.batch, "dtype": str(dtype), rows: []}
+    return device, dtype, args.repeats or (20 if cuda else 1), report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="only unit_tiles' choice (a smoke check)")
+    args = parser.parse_args(argv)
+    device, dtype, repeats, report = bench_setup(args, "units")
+    cuda = device.type == "cuda"
     best: dict[tuple[int, int], Tiles] = {}
     for (channels, length), dilation in itertools.product(UNIT_SHAPES, DILATIONS):
         # every tile at dilation 1; the other dilations (only their loads' offsets differ) try that one's best
