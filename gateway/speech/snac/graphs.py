@@ -52,10 +52,13 @@ def snac_kernels(device: str, kernels: bool | None) -> bool:
     why."""
     from gateway.speech.snac.kernels import kernels_available
 
-    available = kernels_available(torch.device(device))
-    if kernels and not available:
-        raise ValueError(f"--snac-kernels needs CUDA and Triton; SNAC runs on {device}")
-    return available if kernels is None else kernels
+    if kernels is False:  # off by name: Triton is not even imported
+        return False
+    if not kernels_available(torch.device(device)):
+        if kernels:
+            raise ValueError(f"--snac-kernels needs CUDA and Triton; SNAC runs on {device}")
+        return False
+    return True
 
 
 def snac_compiles(device: str, compile: bool | None) -> bool:
