@@ -27,18 +27,22 @@ def interpreted() -> Iterator[None]:
     """Triton's interpreter for this module's kernels: they run on CPU tensors (numpy underneath). Triton decides
     interpreted or compiled when a function is decorated, so the kernel's module is loaded again under the
     variable (an earlier test may have imported it, or triton, without it) and once more after."""
-    from gateway.speech.snac import kernels, unit_kernel
+    from gateway.speech.snac import head_kernel, kernels, unit_kernel
+
+    def reload() -> None:
+        for module in (unit_kernel, head_kernel):
+            importlib.reload(module)
+        kernels._unit_kernel.cache_clear()
+        kernels._head_kernel.cache_clear()
 
     patch = pytest.MonkeyPatch()
     patch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(unit_kernel)
-    kernels._unit_kernel.cache_clear()
+    reload()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     patch.undo()
-    importlib.reload(unit_kernel)
-    kernels._unit_kernel.cache_clear()
+    reload()
     torch.set_num_threads(threads)
 
 
@@ -75,14 +79,16 @@ def stream_all(snac: StreamingSnac, utterances: list[tuple[list, int]], bursts: 
     return [np.concatenate(p) for p in pieces]
 
 
-def test_fused_units_are_exact(interpreted: None, snac_model: torch.nn.Module) -> None:
-    """Streams of 1 and 5 frames through the fused residual units, batched with one another: the audio equals
-    the full `SNAC.decode` (position-tied noise) and the layer-by-layer step, edges included (masked steps at the
-    start and the flush, unmasked ones in between)."""
+@pytest.mark.parametrize("heads", [False, True], ids=["units", "units+heads"])
+def test_fused_units_are_exact(interpreted: None, snac_model: torch.nn.Module, heads: bool) -> None:
+    """Streams of 1 and 5 frames through the fused residual units (and with `heads` the fused block heads),
+    batched with one another: the audio equals the full `SNAC.decode` (position-tied noise) and the
+    layer-by-layer step, edges included (masked steps at the start and the flush, unmasked ones in between)."""
     utterances = [(make_frames(n, seed=n), 500 + n) for n in (1, 5)]
-    fused = StreamingSnac(snac_model, "cpu", "float32", max_streams=4, kernels=True)
+    fused = StreamingSnac(snac_model, "cpu", "float32", max_streams=4, kernels=True, head_kernels=heads)
     layered = StreamingSnac(snac_model, "cpu", "float32", max_streams=4)
     assert fused.decoder.kernels and not layered.decoder.kernels
+    assert fused.decoder.head_kernels == heads and fused.decoder.state_shapes == layered.decoder.state_shapes
     got = stream_all(fused, utterances, [1, 2])
     want = stream_all(layered, utterances, [1, 2])
     for (frames, seed), a, b in zip(utterances, got, want, strict=True):
@@ -136,3 +142,32 @@ def test_unit_kernel_in_the_cards_tiles(interpreted: None, channels: int, length
                             masked, tiles=tried)
         want = y * valid if masked else y
         assert (got - want).abs().max() < EXACT * 10, tried  # sums over up to 256 channels: float32 rounding
+
+
+# SNAC 24 kHz's block heads (input channels, stride), each with a length of new inputs that is not a multiple of
+# the card's tile: a partial tile of side-by-side streams (5, 33), several time tiles and a partial last (70, 150).
+BLOCK_HEADS = [(1024, 8, 5), (512, 8, 33), (256, 4, 70), (128, 2, 150)]
+
+
+@pytest.mark.parametrize(("channels", "stride", "length"), BLOCK_HEADS)
+def test_block_head_kernel_is_the_steps_head(interpreted: None, channels: int, stride: int, length: int) -> None:
+    """The fused head (Snake in the loads, the transposed convolution as phases) against the step's own:
+    `_ConvT.step` over the kept Snake output then the Snake of the new inputs, in the card's tiles and the
+    interpreter's, with bias and without."""
+    from gateway.speech.snac.kernels import block_head, head_phases, head_tiles
+    from gateway.speech.snac.layers import _ConvT, _Snake
+
+    g = torch.Generator().manual_seed(channels + length)
+    batch, out_channels = 3, channels // 2
+    weight = torch.randn(channels, out_channels, 2 * stride, generator=g) * channels ** -0.5
+    bias, alpha = torch.randn(out_channels, generator=g), torch.rand(1, channels, 1, generator=g) + 0.5
+    x, kept = torch.randn(batch, channels, length, generator=g), torch.randn(batch, channels, 1, generator=g)
+    phases = head_phases(weight, stride)
+    tiles = head_tiles(channels, out_channels, stride, length)
+    assert length % tiles[1] or tiles[0] > 1  # a partial tile: the masks run
+    for b, tried in ((bias, tiles), (None, None)):
+        up = _ConvT(weight, b, stride, stride // 2, 0)
+        want = up.step(torch.cat([kept, _Snake(alpha)(x)], dim=2))
+        got = block_head(kept, x, alpha, phases, b, stride, tiles=tried)
+        assert got.shape == want.shape == (batch, out_channels, length * stride) and got.is_contiguous()
+        assert (got - want).abs().max() < EXACT * 10, tried  # sums over up to 2048 products: float32 rounding

@@ -8,7 +8,9 @@ For each batch size B (streams decoded together) and dtype, one call advances ev
 - stream: `gateway.speech.snac.StreamingSnac` with CUDA graphs (one frame per stream per step);
 - stream-compiled (`--stream-variants eager,compiled`): the same with its step through torch.compile;
 - stream-kernels (`kernels`): compiled, its residual units as the fused Triton kernels (`snac.kernels`), the
-  gateway's `--snac-kernels`; `kernels-eager`: the kernels without torch.compile around them.
+  gateway's `--snac-kernels`; `kernels-eager`: the kernels without torch.compile around them; `kernels-heads`:
+  compiled, with the fused residual units and the fused block heads (`snac.kernels.block_head`, opt-in until
+  measured: docs/decisions/snac-kernels.md, "Block heads").
 
 Reported per row: `gpu_ms` (torch.cuda.Event time of the graph replay alone, median; for the stream the
 unmasked steady-state step, `gpu_ms_masked` the masked step of a stream's first 3 and last 3 steps), `call_ms`
@@ -48,9 +50,9 @@ from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME, SLOTS_PER_FRAME
 from gateway.speech.snac import OPEN_END, StreamingSnac
 
 WINDOW_FRAMES = 3
-# --stream-variants: (torch.compile, fused residual-unit kernels) of the streaming step
-VARIANTS = {"eager": (False, False), "compiled": (True, False), "kernels": (True, True),
-            "kernels-eager": (False, True)}
+# --stream-variants: (torch.compile, fused residual-unit kernels, fused block-head kernels) of the streaming step
+VARIANTS = {"eager": (False, False, False), "compiled": (True, False, False), "kernels": (True, True, False),
+            "kernels-eager": (False, True, False), "kernels-heads": (True, True, True)}
 STEPS_PER_AUDIO_SECOND = SAMPLE_RATE / SAMPLES_PER_FRAME  # 11.72 calls per second of audio per stream
 
 
@@ -132,9 +134,9 @@ def bench_windows(snac_dir: str, device: torch.device, dtype: str, batches: list
 def bench_stream(snac_dir: str, device: torch.device, dtype: str, batches: list[int], repeats: int,
                  warmup: int, utterance_frames: int, variant: str = "eager") -> list[dict[str, Any]]:
     t0 = time.perf_counter()
-    compile, kernels = VARIANTS[variant]
+    compile, kernels, heads = VARIANTS[variant]
     snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=max(batches), max_batch=max(batches),
-                              compile=compile, kernels=kernels)
+                              compile=compile, kernels=kernels, head_kernels=heads)
     capture_s = time.perf_counter() - t0
     rows = []
     rng = np.random.default_rng(1)
@@ -218,9 +220,9 @@ def check(snac_dir: str, device: torch.device, with_bf16: bool, variants: list[s
         runs = ([("float32", "eager")] + [("bfloat16", "eager")] * with_bf16 + [("float32", v) for v in others]
                 + [("bfloat16", v) for v in others] * with_bf16)
         for dtype, variant in runs:
-            compile, kernels = VARIANTS[variant]
+            compile, kernels, heads = VARIANTS[variant]
             snac = StreamingSnac.load(snac_dir, str(device), dtype, max_streams=4, max_batch=4, compile=compile,
-                                      kernels=kernels)
+                                      kernels=kernels, head_kernels=heads)
             handles = [snac.open_stream(s) for s in seeds]
             pieces: list[list[np.ndarray]] = [[] for _ in handles]
             for tick in range(40):

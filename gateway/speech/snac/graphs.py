@@ -110,18 +110,21 @@ class DeviceSteps:
     its graphs and the host buffers of its transfers. Not thread-safe: one owner thread."""
 
     def __init__(self, model: Any, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False, kernels: bool = False) -> None:
+                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False, kernels: bool = False,
+                 head_kernels: bool = False) -> None:
         """`model`: a `snac.SNAC` (24 kHz config); its decoder weights are copied, the model is not kept.
         `compile`: the streaming step through torch.compile (docs/decisions/exact-streaming-snac-decoder.md).
-        `kernels`: its residual units as fused Triton kernels (`snac.kernels`; docs/decisions/snac-kernels.md)."""
+        `kernels`: its residual units as fused Triton kernels (`snac.kernels`; docs/decisions/snac-kernels.md);
+        `head_kernels`: its block heads too (opt-in, "Block heads" there)."""
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if chunk_frames < 1 or max_streams < 1:
             raise ValueError("chunk_frames and max_streams must be >= 1")
         self.max_streams = max_streams
         self.chunk_frames = chunk_frames
-        self.decoder = DecoderLayers(model, self.device, self.dtype, fusable=compile, kernels=kernels)
-        self.compiled, self.kernels = compile, kernels
+        self.decoder = DecoderLayers(model, self.device, self.dtype, fusable=compile, kernels=kernels,
+                                     head_kernels=head_kernels)
+        self.compiled, self.kernels, self.head_kernels = compile, kernels, head_kernels
         # One compile per `masked` value: the batch dimension is marked dynamic (`_run_packed`) and never 1.
         self._stream = (torch.compile(self.decoder.stream, fullgraph=True, dynamic=False) if compile
                         else self.decoder.stream)
@@ -202,7 +205,7 @@ class DeviceSteps:
         scratch slot each, instead of in the first utterance's tick (minutes on a small CPU) or inside a graph
         capture, so a compiler that cannot work fails at start-up (`load` calls it). A no-op once graphs are set
         up: their capture compiled them."""
-        if not (self.compiled or self.kernels) or self._graphs:
+        if not (self.compiled or self.kernels or self.head_kernels) or self._graphs:
             return
         with torch.inference_mode():
             for masked in (True, False):

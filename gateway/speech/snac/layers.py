@@ -98,6 +98,7 @@ class _ConvT:
     stride: int
     pad: int
     output_padding: int
+    phases: torch.Tensor | None = None  # the weight as `kernels.block_head` reads it, where the step uses it
 
     @property
     def history(self) -> int:
@@ -166,16 +167,18 @@ class DecoderLayers:
     """SNAC's decoder as plain tensors, run two ways: a full padded decode and a streaming step."""
 
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, fusable: bool = False,
-                 kernels: bool = False) -> None:
+                 kernels: bool = False, head_kernels: bool = False) -> None:
         """`fusable`: the streaming step written for torch.compile to fuse (depthwise convolutions as shifted
         products, residual skips as selects) rather than for eager kernels; the same numbers. `kernels`: the
         streaming step's residual units as one fused kernel each (`kernels.residual_unit_op`; CUDA, or Triton's
-        interpreter in tests)."""
+        interpreter in tests). `head_kernels`: each block's Snake and transposed convolution as one kernel
+        (`kernels.block_head_op`), opt-in until measured (docs/decisions/snac-kernels.md, "Block heads")."""
         if getattr(model, "attn_window_size", None) is not None:
             raise ValueError("SNAC models with local attention (32/44 kHz) are not streamable here")
         if list(model.vq_strides) != [LATENT_PER_FRAME, 2, 1]:
             raise ValueError(f"expected vq_strides [4, 2, 1] (Orpheus' 24 kHz SNAC), got {model.vq_strides}")
         self.device, self.dtype, self.fusable, self.kernels = device, dtype, fusable, kernels
+        self.head_kernels = head_kernels
         with torch.no_grad():
             # Per codebook: out_proj(codebook) as a [4096, latent_dim] table; z = sum of three rows per latent frame.
             self.tables = [_tensor(q.out_proj(q.codebook.weight.t()[None])[0].t(), device, dtype)
@@ -210,6 +213,11 @@ class DecoderLayers:
             if not (len(rest) == 3 and isinstance(rest[0], Snake1d) and isinstance(rest[2], torch.nn.Tanh)):
                 raise ValueError(f"unexpected decoder tail {rest}")
             self.final_snake = _snake(rest[0], device, dtype)
+            if head_kernels:
+                from gateway.speech.snac.kernels import head_phases
+
+                for b in self.blocks:
+                    b.up.phases = head_phases(b.up.weight, b.up.stride)
             self.final = _conv(rest[1], device, dtype)
         probe = frames_to_layers([tuple(range(SLOTS_PER_FRAME))])  # type: ignore[list-item]
         # Frame columns feeding each latent frame j of the frame, per codebook (repeat_interleave by stride).
@@ -355,7 +363,14 @@ class DecoderLayers:
                 x = conv.valid(x)
             x = mask(x, per_frame, delay)
         for layer, b in enumerate(self.blocks):
-            x = b.up.step(exchange(b.snake(x)))
+            if self.head_kernels:  # the Snake inside the kernel; here only the kept input's, for the state
+                from gateway.speech.snac.kernels import block_head_op
+
+                kept = take()
+                tails.append(b.snake(x[..., x.shape[-1] - kept.shape[-1]:]).reshape(batch, -1))
+                x = block_head_op(kept, x, b.snake.alpha, b.up.phases, b.up.bias, b.up.stride)
+            else:
+                x = b.up.step(exchange(b.snake(x)))
             per_frame *= b.up.stride
             delay = delay * b.up.stride + b.up.pad
             pos = positions(per_frame, delay, x.shape[-1])

@@ -39,18 +39,19 @@ class StreamingSnac(StreamBridge):
     HEAD_FRAMES = MAX_HEAD_FRAMES  # for callers without torch (the stream decoder): the bridge's reach
 
     def __init__(self, model: Any, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False, kernels: bool = False) -> None:
+                 max_streams: int = 64, chunk_frames: int = 1, compile: bool = False, kernels: bool = False,
+                 head_kernels: bool = False) -> None:
         """`model`: a `snac.SNAC` (24 kHz config); its decoder weights are copied, the model is not kept.
-        `compile`: the streaming step through torch.compile; `kernels`: its residual units as fused kernels.
-        `max_streams` slots, `chunk_frames` per step."""
-        super().__init__(model, device, dtype, max_streams, chunk_frames, compile, kernels)
+        `compile`: the streaming step through torch.compile; `kernels`: its residual units as fused kernels;
+        `head_kernels`: its block heads too (opt-in). `max_streams` slots, `chunk_frames` per step."""
+        super().__init__(model, device, dtype, max_streams, chunk_frames, compile, kernels, head_kernels)
         self._free = list(range(max_streams - 1, -1, -1))
         self._seeds = itertools.count(1)
 
     @classmethod
     def load(cls, name_or_path: str, device: str = "auto", dtype: str = "auto", max_streams: int = 64,
              chunk_frames: int = 1, capture_graphs: bool = True, max_batch: int | None = None,
-             compile: bool | None = None, kernels: bool | None = None) -> StreamingSnac:
+             compile: bool | None = None, kernels: bool | None = None, head_kernels: bool = False) -> StreamingSnac:
         """Load a SNAC checkpoint (hub name or folder) and build the streaming decoder on `device` in `dtype`
         ("auto": `snac_device_and_dtype`), its step compiled with `compile` (None: `snac_compiles`), its residual
         units fused with `kernels` (None: `snac_kernels`) before anything runs. On CUDA with `capture_graphs`,
@@ -58,10 +59,13 @@ class StreamingSnac(StreamBridge):
 
         Where compiling or the kernels were only the default (None) and fail (no Triton for this GPU, no C
         compiler), the step runs without them with a warning, kernels first: exact all the same, only slower.
-        Asked for by name, their failure stops the start."""
+        Asked for by name, their failure stops the start. `head_kernels` (benchmarks only until measured): the
+        block heads as fused kernels too, in every attempt."""
         from snac import SNAC
 
         device, dtype = snac_device_and_dtype(device, dtype)
+        if head_kernels:
+            snac_kernels(device, True)  # where they cannot run: the reason, before the model is loaded
         model = SNAC.from_pretrained(name_or_path).eval()
         compiles, fused = snac_compiles(device, compile), snac_kernels(device, kernels)
         attempts = [(compiles, fused)]
@@ -70,7 +74,7 @@ class StreamingSnac(StreamBridge):
         if compiles and compile is None:
             attempts.append((False, attempts[-1][1]))
         for n, (compiled, fused) in enumerate(attempts):
-            snac = cls(model, device, dtype, max_streams, chunk_frames, compiled, fused)
+            snac = cls(model, device, dtype, max_streams, chunk_frames, compiled, fused, head_kernels)
             try:
                 snac.precompile()  # a compiler or kernel that cannot work fails here, before any graph capture
                 break
