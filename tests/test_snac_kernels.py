@@ -171,3 +171,22 @@ def test_block_head_kernel_is_the_steps_head(interpreted: None, channels: int, s
         got = block_head(kept, x, alpha, phases, b, stride, tiles=tried)
         assert got.shape == want.shape == (batch, out_channels, length * stride) and got.is_contiguous()
         assert (got - want).abs().max() < EXACT * 10, tried  # sums over up to 2048 products: float32 rounding
+
+
+def test_head_kernels_continue_the_layered_steps_streams(interpreted: None, snac_model: torch.nn.Module) -> None:
+    """The fused heads keep the layer-by-layer step's state (the kept Snake outputs): a stream stepped by either
+    path in turn has, after each step, the audio and the state of the layered step alone."""
+    from gateway.speech.snac.layers import OPEN_END, DecoderLayers
+
+    cpu = torch.device("cpu")
+    layered = DecoderLayers(snac_model, cpu, torch.float32)
+    heads = DecoderLayers(snac_model, cpu, torch.float32, head_kernels=True)
+    codes = torch.tensor(make_frames(4, seed=9), dtype=torch.int64)[None]
+    seeds, end = torch.tensor([77]), torch.tensor([OPEN_END])
+    alone = mixed = torch.zeros(1, layered.state_size)
+    with torch.inference_mode():
+        for k in range(codes.shape[1]):
+            frame = torch.tensor([k])
+            want, alone = layered.stream(alone, codes[:, k:k + 1], frame, end, seeds)
+            got, mixed = (heads if k % 2 else layered).stream(mixed, codes[:, k:k + 1], frame, end, seeds)
+            assert (got - want).abs().max() < EXACT and (mixed - alone).abs().max() < EXACT, k
