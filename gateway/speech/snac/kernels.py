@@ -146,14 +146,16 @@ def head_tiles(in_channels: int, out_channels: int, stride: int, length: int,
                interpreted: bool = False) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_R, BLOCK_T, BLOCK_O, BLOCK_CI, num_warps, num_stages) of a block head of `length` new inputs a
     stream: 64 input columns a tile (short streams side by side), 128 rows of (output channel, phase), input
-    channels in blocks of 64; not yet measured against other tiles (docs/decisions/snac-kernels.md, "Block heads").
+    channels in blocks of 64, 8 warps (with 4 the kernel spills registers); not yet timed against other tiles
+    (docs/decisions/snac-kernels.md, "Block heads").
     `interpreted` (Triton's interpreter, on a CPU): one tile per stream, big channel blocks (each op one numpy
     call over it, within Triton's bound on a tile's size)."""
     whole = _whole(length)
     if interpreted:
         return 1, whole, max(1, min(out_channels, 512 // stride)), min(in_channels, 256), 4, 1
     block_t = min(64, whole)
-    return max(1, 64 // block_t), block_t, max(1, min(out_channels, 128 // stride)), min(in_channels, 64), 4, 1
+    block_r, block_o = max(1, 64 // block_t), max(1, min(out_channels, 128 // stride))
+    return block_r, block_t, block_o, min(in_channels, 64), 8 if block_o * stride * block_r * block_t >= 8192 else 4, 1
 
 
 def block_head(x_history: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, phases: torch.Tensor,
