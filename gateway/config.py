@@ -26,6 +26,7 @@ ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SNAC_PLACEMENTS = ("process", "shared")
+SNAC_MPS_PRIORITIES = ("normal", "below-normal")  # CUDA_MPS_CLIENT_PRIORITY 0 and 1 (cluster.supervisor maps them)
 PHRASE_CACHE_MODES = ("off", "marked", "all")  # what the phrase cache keeps: nothing, `cache: true` lines, every line
 PHRASE_CACHE_SCHEMES = ("redis", "rediss", "unix")
 # OpenAI's speech voices, which OpenAI clients (pipecat's OpenAITTSService) accept and send; each is an alias of a
@@ -144,6 +145,10 @@ class GatewayConfig:
                                "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
                                "which the GPU would time-slice); in "
                                "one process, as process. process: in each gateway process.")
+    snac_mps_priority: str = _opt("normal", "Under an NVIDIA MPS daemon, the scheduling priority of the shared SNAC "
+                                  "process of --workers against the vLLM server's kernels (CUDA_MPS_CLIENT_PRIORITY): "
+                                  "normal, or below-normal (the engine's kernels go first where both wait). Without "
+                                  "MPS it changes nothing. Not yet measured (docs/decisions/shared-snac-process.md).")
     snac_socket: str | None = _opt(None, "Unix socket of a shared SNAC decoder (gateway.cluster.snac_process): decode "
                                    "there instead of loading SNAC in this process. With --workers and "
                                    "snac_placement shared: where to serve it (default: in the workers' folder).")
@@ -387,6 +392,11 @@ def validate(config: GatewayConfig) -> None:
          f"jitter_buffer_ms must be within 0..{JITTER_BUFFER_MAX_MS}"),
         (config.snac_dtype in SNAC_DTYPES, f"snac_dtype must be one of {', '.join(SNAC_DTYPES)}"),
         (config.snac_placement in SNAC_PLACEMENTS, f"snac_placement must be one of {', '.join(SNAC_PLACEMENTS)}"),
+        (config.snac_mps_priority in SNAC_MPS_PRIORITIES,
+         f"snac_mps_priority must be one of {', '.join(SNAC_MPS_PRIORITIES)}"),
+        (config.snac_mps_priority == "normal" or (config.workers > 1 and config.snac_placement == "shared"),
+         "snac_mps_priority below-normal needs the shared SNAC process of --workers (workers > 1, snac_placement "
+         "shared)"),
         (not (config.snac_kernels and config.snac_device == "cpu"),
          "snac_kernels needs SNAC on CUDA (snac_device auto or cuda), not cpu"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),

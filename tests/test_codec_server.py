@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import os
 import socket
 import struct
@@ -58,12 +59,37 @@ def test_settings_travel_in_the_environment(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"snac_placement": "gpu"}, "snac_placement must be one of process, shared"),
     ({"snac_placement": "engine"}, "snac_placement must be one of process, shared"),
+    ({"snac_mps_priority": "low"}, "snac_mps_priority must be one of normal, below-normal"),
+    ({"snac_mps_priority": "below-normal"}, "below-normal needs the shared SNAC process of --workers"),
+    ({"snac_mps_priority": "below-normal", "workers": 2, "snac_placement": "process"},
+     "below-normal needs the shared SNAC process of --workers"),
 ])
 def test_bad_placements_are_refused(overrides: dict[str, object], message: str) -> None:
     from gateway.config import ConfigError, from_sources
 
     with pytest.raises(ConfigError, match=message):
         from_sources(env={}, **overrides)
+
+
+def test_below_normal_priority_reaches_the_snac_process_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--snac-mps-priority below-normal`: the shared SNAC process starts with CUDA_MPS_CLIENT_PRIORITY=1 (below
+    normal under an MPS daemon); `vllm serve` and the workers keep the normal priority (the processes are not
+    started here)."""
+    from gateway.cluster.addressing import WORKER_CONFIG_ENV, WORKER_SOCKETS_ENV
+    from gateway.cluster.supervisor import MPS_CLIENT_PRIORITY_ENV, Supervisor
+    from gateway.config import GatewayConfig, from_sources, validate
+
+    monkeypatch.delenv(MPS_CLIENT_PRIORITY_ENV, raising=False)
+    monkeypatch.setenv(WORKER_SOCKETS_ENV, str(tmp_path))
+    for priority, want in (("below-normal", "1"), ("normal", None)):
+        config = from_sources(env={}, workers=2, snac_mps_priority=priority)
+        children = {child.name: child for child in Supervisor(config, 2).children}
+        assert children["snac server"].env.get(MPS_CLIENT_PRIORITY_ENV) == want
+        assert MPS_CLIENT_PRIORITY_ENV not in children["vllm serve"].env
+        assert MPS_CLIENT_PRIORITY_ENV not in children["worker 0"].env
+        worker = GatewayConfig(**json.loads(children["worker 0"].env[WORKER_CONFIG_ENV]))
+        validate(worker)  # a worker owns no SNAC process: its own setting is normal
+        assert worker.snac_mps_priority == "normal"
 
 
 @pytest.mark.parametrize(("settings", "message"), [

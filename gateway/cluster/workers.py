@@ -44,6 +44,7 @@ def worker_config(config: GatewayConfig, workers: int, vllm_urls: Sequence[str])
         return max(1, math.ceil(value / workers)) if value else value
 
     return dataclasses.replace(config, vllm_urls=tuple(vllm_urls), workers=1, snac_placement="process",
+                               snac_mps_priority="normal",  # the supervisor's SNAC process takes that setting
                                max_sessions=share(config.max_sessions))
 
 
