@@ -76,7 +76,8 @@ def layered_unit(joined: torch.Tensor, x: torch.Tensor, x_old: torch.Tensor, alp
 
 def tile_grid(channels: int, length: int, quick: bool) -> list[Tiles]:
     """The tiles tried for a unit shape: 64 or 128 columns (one stream's samples, or several short streams side by
-    side), output and input channel blocks; 8 warps for tiles of 8192 outputs or more."""
+    side), output and input channel blocks; 8 warps for tiles of 8192 outputs or more, and 16 beside 8 from 16384
+    (8 warps spill registers there: snac_kernel_resources.py)."""
     if quick:
         return [unit_tiles(channels, length)]
     whole = 1 << (max(16, length) - 1).bit_length()
@@ -85,6 +86,8 @@ def tile_grid(channels: int, length: int, quick: bool) -> list[Tiles]:
         block_t = min(columns, whole)
         if co <= channels and ci <= channels:
             grid.append((columns // block_t, block_t, co, ci, 8 if co * columns >= 8192 else 4))
+            if co * columns >= 16384:
+                grid.append((columns // block_t, block_t, co, ci, 16))
     return list(dict.fromkeys(grid))
 
 
