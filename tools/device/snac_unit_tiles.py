@@ -29,7 +29,7 @@ import torch
 from snac.layers import snake
 from torch.nn import functional as nnf
 
-from gateway.speech.snac.kernels import TAPS, residual_unit, unit_tiles
+from gateway.speech.snac.kernels import TAPS, residual_unit, tile_warps, unit_tiles
 
 # SNAC 24 kHz's decoder blocks: (channels, samples per stream in a one-frame step); each has units of dilation 1, 3, 9.
 UNIT_SHAPES = ((512, 32), (256, 256), (128, 1024), (64, 2048))
@@ -76,7 +76,7 @@ def layered_unit(joined: torch.Tensor, x: torch.Tensor, x_old: torch.Tensor, alp
 
 def tile_grid(channels: int, length: int, quick: bool) -> list[Tiles]:
     """The tiles tried for a unit shape: 64 or 128 columns (one stream's samples, or several short streams side by
-    side), output and input channel blocks; 8 warps for tiles of 8192 outputs or more, and 16 beside 8 from 16384
+    side), output and input channel blocks; `tile_warps`' warps, and 16 beside 8 from 16384 outputs
     (8 warps spill registers there: snac_kernel_resources.py)."""
     if quick:
         return [unit_tiles(channels, length)]
@@ -85,7 +85,7 @@ def tile_grid(channels: int, length: int, quick: bool) -> list[Tiles]:
     for columns, co, ci in itertools.product(COLUMNS, BLOCK_CO, BLOCK_CI):
         block_t = min(columns, whole)
         if co <= channels and ci <= channels:
-            grid.append((columns // block_t, block_t, co, ci, 8 if co * columns >= 8192 else 4))
+            grid.append((columns // block_t, block_t, co, ci, tile_warps(co * columns)))
             if co * columns >= 16384:
                 grid.append((columns // block_t, block_t, co, ci, 16))
     return list(dict.fromkeys(grid))

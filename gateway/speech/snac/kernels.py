@@ -60,6 +60,12 @@ def _whole(length: int, least: int = 1) -> int:
     return 1 << (max(least, length) - 1).bit_length()
 
 
+def tile_warps(outputs: int) -> int:
+    """Warps of a program whose tile holds `outputs` float32 sums: 8 from 8192 (with 4 they spill registers,
+    tools/device/snac_kernel_resources.py), else 4."""
+    return 8 if outputs >= 8192 else 4
+
+
 def unit_tiles(channels: int, length: int, interpreted: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_R, BLOCK_T, BLOCK_CO, BLOCK_CI, num_warps) of a unit of `channels` over `length` samples: 64 columns
     a tile (one stream's samples, or short streams side by side), up to 256 output channels a program (the
@@ -73,7 +79,7 @@ def unit_tiles(channels: int, length: int, interpreted: bool = False) -> tuple[i
     block_r = max(1, 64 // block_t)
     block_co = min(channels, 256)
     block_ci = min(channels, 64)
-    return block_r, block_t, block_co, block_ci, 8 if block_co * block_t * block_r >= 8192 else 4
+    return block_r, block_t, block_co, block_ci, tile_warps(block_co * block_t * block_r)
 
 
 def residual_unit(joined: torch.Tensor, x: torch.Tensor, x_history: torch.Tensor, alpha2: torch.Tensor,
@@ -155,7 +161,7 @@ def head_tiles(in_channels: int, out_channels: int, stride: int, length: int,
         return 1, whole, max(1, min(out_channels, 512 // stride)), min(in_channels, 256), 4, 1
     block_t = min(64, whole)
     block_r, block_o = max(1, 64 // block_t), max(1, min(out_channels, 128 // stride))
-    return block_r, block_t, block_o, min(in_channels, 64), 8 if block_o * stride * block_r * block_t >= 8192 else 4, 1
+    return block_r, block_t, block_o, min(in_channels, 64), tile_warps(block_o * stride * block_r * block_t), 1
 
 
 def block_head(x_history: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, phases: torch.Tensor,
