@@ -26,7 +26,7 @@ ENV_PREFIX = "ORPHEUS_GATEWAY_"
 MIN_TURN_CREDENTIAL_TTL_S = 60
 SNAC_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SNAC_PLACEMENTS = ("process", "shared")
-SNAC_MPS_PRIORITIES = ("normal", "below-normal")  # CUDA_MPS_CLIENT_PRIORITY 0 and 1 (cluster.supervisor maps them)
+SNAC_MPS_PRIORITIES = {"normal": "0", "below-normal": "1"}  # --snac-mps-priority -> CUDA_MPS_CLIENT_PRIORITY
 PHRASE_CACHE_MODES = ("off", "marked", "all")  # what the phrase cache keeps: nothing, `cache: true` lines, every line
 PHRASE_CACHE_SCHEMES = ("redis", "rediss", "unix")
 # OpenAI's speech voices, which OpenAI clients (pipecat's OpenAITTSService) accept and send; each is an alias of a

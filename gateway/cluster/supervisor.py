@@ -31,7 +31,7 @@ from gateway.cluster.addressing import (
     socket_path,
 )
 from gateway.cluster.workers import worker_config
-from gateway.config import GatewayConfig
+from gateway.config import SNAC_MPS_PRIORITIES, GatewayConfig
 from gateway.model_table import table_file
 from gateway.service.admission import clear_stream_count, create_stream_counts, stream_count_columns
 from gateway.speech.codec.server import CodecServerSettings, codec_server_env
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 1.0  # before restarting a process that exited
 MPS_CLIENT_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"  # read by CUDA at a context's start, under an MPS daemon only
-MPS_CLIENT_PRIORITIES = {"normal": "0", "below-normal": "1"}  # --snac-mps-priority -> NVIDIA's values
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
 POLL_S = 0.5
@@ -133,7 +132,7 @@ class Supervisor:
             snac_socket = snac_socket or str(Path(self.sockets) / SNAC_SOCKET_NAME)
             codec_env = codec_server_env(CodecServerSettings(snac_socket, decoder_settings(config)))
             if config.snac_mps_priority != "normal":  # "normal" leaves an operator's own setting alone
-                codec_env[MPS_CLIENT_PRIORITY_ENV] = MPS_CLIENT_PRIORITIES[config.snac_mps_priority]
+                codec_env[MPS_CLIENT_PRIORITY_ENV] = SNAC_MPS_PRIORITIES[config.snac_mps_priority]
             self.children.append(Child("snac server", [sys.executable, "-m", "gateway.cluster.snac_process"],
                                        {**os.environ, **codec_env}))
         table = config.model_table
