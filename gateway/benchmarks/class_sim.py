@@ -160,18 +160,12 @@ async def measure(base: str, sizes: list[int], lines: int, free: float, seed: in
 async def local_gateway(max_students: int, seed: int, root: Path) -> AsyncIterator[str]:
     """The tiny random model served on loopback with `--phrase-cache marked`: its base url."""
     from gateway.benchmarks.models import tiny_fixed_length_config
-    from gateway.benchmarks.webrtc_level import LocalGateway
-    from gateway.speech.synthesizer import Synthesizer
+    from gateway.benchmarks.webrtc_level import served
 
     config = tiny_fixed_length_config(root, max(8, max_students), seed=seed, phrase_cache="marked",
                                       phrase_cache_dir=str(root / "phrases"))
-    synthesizer = Synthesizer.load(config)
-    await synthesizer.start()
-    try:
-        async with LocalGateway(config, synthesizer) as gateway:
-            yield gateway.base_url
-    finally:
-        await synthesizer.close()
+    async with served(config) as base_url:
+        yield base_url
 
 
 def p(values: list[float], q: int) -> float:

@@ -26,11 +26,10 @@ import aiohttp
 import numpy as np
 
 from gateway.benchmarks.models import tiny_fixed_length_config
-from gateway.benchmarks.webrtc_level import LocalGateway
+from gateway.benchmarks.webrtc_level import served
 from gateway.media.avthreads import use_one_ffmpeg_thread
 from gateway.media.formats import FORMATS, StreamEncoder
 from gateway.orpheus import SAMPLE_RATE, SAMPLES_PER_FRAME
-from gateway.speech.synthesizer import Synthesizer
 
 TEXT = "Good morning, class."
 
@@ -66,21 +65,16 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(formats: list[str], requests: int, root: Path) -> None:
     config = tiny_fixed_length_config(root, 8)
-    synthesizer = Synthesizer.load(config)
-    await synthesizer.start()
     results: dict[str, list[float]] = {fmt: [] for fmt in formats}
     loads = []
-    try:
-        async with LocalGateway(config, synthesizer) as gateway, aiohttp.ClientSession() as http:
-            url = f"{gateway.base_url}/v1/audio/speech"
-            for round_ in range(requests + 1):
-                for fmt in formats:
-                    timing = await one_request(http, url, fmt)
-                    if round_:  # round 0 warms up each format's path (codec libraries, thread pool)
-                        results[fmt].append(timing)
-                loads.append(os.getloadavg()[0])
-    finally:
-        await synthesizer.close()
+    async with served(config) as base_url, aiohttp.ClientSession() as http:
+        url = f"{base_url}/v1/audio/speech"
+        for round_ in range(requests + 1):
+            for fmt in formats:
+                timing = await one_request(http, url, fmt)
+                if round_:  # round 0 warms up each format's path (codec libraries, thread pool)
+                    results[fmt].append(timing)
+            loads.append(os.getloadavg()[0])
     print(f"{requests} requests per format, one at a time; text {TEXT!r}; load average during the run "
           f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
     print(f"{'format':8} {'p50':>8} {'p90':>8} {'fastest':>8}   (ms to the first audio byte)")

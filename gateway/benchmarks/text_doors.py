@@ -42,12 +42,11 @@ import aiohttp
 from gateway.benchmarks.models import tiny_fixed_length_config
 from gateway.benchmarks.settings import positive_int_list
 from gateway.benchmarks.timing import ORPHEUS_TOKENS_PER_CHAR
-from gateway.benchmarks.webrtc_level import LocalGateway
+from gateway.benchmarks.webrtc_level import served
 from gateway.config import from_sources
 from gateway.devtools.client import HeadlessPeer
 from gateway.edge.cartesia_ws import CARTESIA_PATH
 from gateway.media.avthreads import use_one_ffmpeg_thread
-from gateway.speech.synthesizer import Synthesizer
 
 TEXT = "Good morning, class. Today we read a story."
 DOORS = ("websocket", "webrtc", "http")
@@ -124,13 +123,8 @@ async def local_gateway(root: Path, model: str | None, snac_model: str | None,
     else:
         config = from_sources(env={}, model=model, snac_model=snac_model, max_num_seqs=max(64, most_at_once),
                               max_tokens_per_char=ORPHEUS_TOKENS_PER_CHAR, host="127.0.0.1", port=0)
-    synthesizer = Synthesizer.load(config)
-    await synthesizer.start()
-    try:
-        async with LocalGateway(config, synthesizer) as gateway:
-            yield gateway.base_url
-    finally:
-        await synthesizer.close()
+    async with served(config) as base_url:
+        yield base_url
 
 
 class Doors:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -70,6 +70,18 @@ class LocalGateway:
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def served(config: GatewayConfig) -> AsyncIterator[str]:
+    """The gateway of `config` with its own started synthesizer, served on loopback: its base url; both closed after."""
+    synthesizer = Synthesizer.load(config)
+    await synthesizer.start()
+    try:
+        async with LocalGateway(config, synthesizer) as gateway:
+            yield gateway.base_url
+    finally:
+        await synthesizer.close()
 
 
 async def run_point(base_url: str, workload: Sequence[Sequence[PlannedRequest]], options: BenchOptions
