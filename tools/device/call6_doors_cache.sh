@@ -10,7 +10,8 @@
 #      RUN ("doors class": either or both, in that order),
 #      DOORS_ARGS (text_doors flags, "--concurrency 1,64 --utterances 16": 16 one at a time, one round of 64),
 #      DOORS_TIMEOUT (s, 180), CLASS_ARGS (class_sim flags, "--students 64,128"), CLASS_TIMEOUT (s, 240):
-#      start + both fit a 600 s call
+#      start + both fit a 600 s call; KEEP=1: the workers stay up for the next call (workers.sh), which reuses
+#      them with its own RUN and CLASS_ARGS (the cache directory and MPS daemon too: each class size has its own voice)
 REPO=$(pwd); DC=$REPO/.devcarry; SRC=$REPO; SNAP=${SNAP:-snap}
 source $REPO/tools/device/carried.sh  # folders from the stage calls (pack.py)
 [ -d $DC/$SNAP/gateway ] && SRC=$DC/$SNAP
@@ -24,15 +25,17 @@ fi
 [ -d /tmp/site/av ] || { echo "gateway wheels missing: carry .devcarry/gw2"; exit 3; }
 export PYTHONPATH=/tmp/site:$SRC VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ORPHEUS_GATEWAY_WORKER_SOCKETS=/tmp/gw-sockets
-rm -rf /tmp/gw-sockets /tmp/phrases && mkdir -p /tmp/gw-sockets
+source $REPO/tools/device/workers.sh  # from the carried tree: an older SNAP may lack it
+KEPT=""; [ -n "$KEEP" ] && workers_running && KEPT=1
+[ -z "$KEPT" ] && rm -rf /tmp/gw-sockets /tmp/phrases && mkdir -p /tmp/gw-sockets
 PORT=8800
 if [ -d $DC/pool ]; then
   python3 tools/device/serve_deps.py $DC/pool /tmp/site || exit 4
 fi
 GRAPHS=""; [ -f /tmp/snac_graphs_bad ] && GRAPHS="--no-snac-cuda-graphs"
-source tools/device/mps.sh; mps_start
+source tools/device/mps.sh; [ -z "$KEPT" ] && mps_start
 SERVE_ARGS="--phrase-cache marked --phrase-cache-dir /tmp/phrases $SERVE_ARGS"  # a fresh cache each call
-source $REPO/tools/device/workers.sh; workers_start  # from the carried tree: an older SNAP may lack it
+workers_start
 RC=$?
 echo "workers ready rc=$RC after $(( $(date +%s) - T0 ))s"
 PIN=""; [ -n "$CLIENT_CPUS" ] && PIN="taskset -c $CLIENT_CPUS"
@@ -52,7 +55,7 @@ fi
 python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics', timeout=5).read().decode())" \
   2>&1 | grep -E "^orpheus_(phrase_cache|rejections|audio_tokens)" > $OUT/$NAME/metrics_end.txt
 workers_stop
-mps_stop
+[ -z "$KEEP" ] && mps_stop
 grep -vE "Capturing CUDA|^\s*$" $OUT/$NAME/serve.log | tail -c 2500
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 echo "call6 total $(( $(date +%s) - T0 ))s"
