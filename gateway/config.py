@@ -137,10 +137,10 @@ class GatewayConfig:
                                      "Snakes, history copies, masks, noise and depthwise convolutions). Default: on "
                                      "where SNAC runs on a GPU (faster than eager, exact in float32), off on "
                                      "a CPU (no faster there). Adds its compile time to start-up.")
-    snac_kernels: bool | None = _opt(None, "Run the exact decoder's residual units as fused Triton kernels (one pass "
-                                     "over the activations each, the 1x1 projection on tensor cores; CUDA with "
-                                     "Triton). Default: on where they run (faster than the compiled step alone, "
-                                     "docs/decisions/snac-kernels.md), off on a CPU.")
+    snac_kernels: bool | None = _opt(None, "Run the exact decoder's residual units and block heads as fused Triton "
+                                     "kernels (one pass over the activations each, the products on tensor cores; "
+                                     "CUDA with Triton). Default: on where they run (faster than the compiled step "
+                                     "alone, docs/decisions/snac-kernels.md), off on a CPU.")
     snac_placement: str = _opt("shared", "Where SNAC decodes. shared: with --workers, one SNAC process serves every "
                                "worker over a Unix socket (one CUDA context and one batch instead of one per worker, "
                                "which the GPU would time-slice); in "

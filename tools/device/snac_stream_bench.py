@@ -8,9 +8,9 @@ For each batch size B (streams decoded together) and dtype, one call advances ev
 - stream: `gateway.speech.snac.StreamingSnac` with CUDA graphs (one frame per stream per step);
 - stream-compiled (`--stream-variants eager,compiled`): the same with its step through torch.compile;
 - stream-kernels (`kernels`): compiled, its residual units as the fused Triton kernels (`snac.kernels`), the
-  gateway's `--snac-kernels`; `kernels-eager`: the kernels without torch.compile around them; `kernels-heads`:
-  compiled, with the fused residual units and the fused block heads (`snac.kernels.block_head`, opt-in until
-  measured: docs/decisions/snac-kernels.md, "Block heads").
+  block heads still cuDNN's; `kernels-eager`: the units' kernels without torch.compile around them;
+  `kernels-heads`: compiled, with the fused residual units and the fused block heads (`snac.kernels.block_head`),
+  the gateway's `--snac-kernels` (docs/decisions/snac-kernels.md, "Block heads").
 
 Reported per row: `gpu_ms` (torch.cuda.Event time of the graph replay alone, median; for the stream the
 unmasked steady-state step, `gpu_ms_masked` the masked step of a stream's first 3 and last 3 steps), `call_ms`

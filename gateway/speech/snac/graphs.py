@@ -115,7 +115,7 @@ class DeviceSteps:
         """`model`: a `snac.SNAC` (24 kHz config); its decoder weights are copied, the model is not kept.
         `compile`: the streaming step through torch.compile (docs/decisions/exact-streaming-snac-decoder.md).
         `kernels`: its residual units as fused Triton kernels (`snac.kernels`; docs/decisions/snac-kernels.md);
-        `head_kernels`: its block heads too (opt-in, "Block heads" there)."""
+        `head_kernels`: its block heads too ("Block heads" there)."""
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if chunk_frames < 1 or max_streams < 1:

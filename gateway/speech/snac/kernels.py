@@ -9,7 +9,8 @@ passes; the 1x1 projection runs on tensor cores.
 `block_head`: a decoder block's head, its Snake then its ConvTranspose1d (stride s, kernel 2 s) as the step
 computes it, in one pass: output phase r of new input t is W[:, :, r] snake(x[t]) + W[:, :, r + s] snake(x[t - 1])
 (the kept Snake output before the first), the phases as one matrix product on tensor cores, written interleaved.
-Opt-in (`DecoderLayers(head_kernels=True)`) until measured faster than the compiled step's transposed convolutions.
+On with the residual units' kernels (`StreamingSnac.load`): measured faster than the compiled step's transposed
+convolutions.
 Why: docs/decisions/snac-kernels.md. Exactness: tests/test_snac_kernels.py (the interpreter on a CPU) and
 tools/device/snac_stream_bench.py (the card).
 """
@@ -151,8 +152,8 @@ def head_phases(weight: torch.Tensor, stride: int) -> torch.Tensor:
 def head_tiles(in_channels: int, out_channels: int, stride: int, length: int,
                interpreted: bool = False) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_R, BLOCK_T, BLOCK_O, BLOCK_CI, num_warps, num_stages) of a block head of `length` new inputs a
-    stream: 64 input columns a tile (short streams side by side), 128 rows of (output channel, phase), input
-    channels in blocks of 64, 8 warps (with 4 the kernel spills registers); not yet timed against other tiles
+    stream: up to 64 input columns of one stream a tile, short streams side by side up to 128 columns, 256 rows of
+    (output channel, phase), input channels in blocks of 64, 8 warps: the fastest of the tiles measured per head
     (docs/decisions/snac-kernels.md, "Block heads").
     `interpreted` (Triton's interpreter, on a CPU): one tile per stream, big channel blocks (each op one numpy
     call over it, within Triton's bound on a tile's size)."""
@@ -160,7 +161,7 @@ def head_tiles(in_channels: int, out_channels: int, stride: int, length: int,
     if interpreted:
         return 1, whole, max(1, min(out_channels, 512 // stride)), min(in_channels, 256), 4, 1
     block_t = min(64, whole)
-    block_r, block_o = max(1, 64 // block_t), max(1, min(out_channels, 128 // stride))
+    block_r, block_o = max(1, 128 // whole), max(1, min(out_channels, 256 // stride))
     return block_r, block_t, block_o, min(in_channels, 64), tile_warps(block_o * stride * block_r * block_t), 1
 
 

@@ -172,7 +172,7 @@ class DecoderLayers:
         products, residual skips as selects) rather than for eager kernels; the same numbers. `kernels`: the
         streaming step's residual units as one fused kernel each (`kernels.residual_unit_op`; CUDA, or Triton's
         interpreter in tests). `head_kernels`: each block's Snake and transposed convolution as one kernel
-        (`kernels.block_head_op`), opt-in until measured (docs/decisions/snac-kernels.md, "Block heads")."""
+        (`kernels.block_head_op`; docs/decisions/snac-kernels.md, "Block heads")."""
         if getattr(model, "attn_window_size", None) is not None:
             raise ValueError("SNAC models with local attention (32/44 kHz) are not streamable here")
         if list(model.vq_strides) != [LATENT_PER_FRAME, 2, 1]:

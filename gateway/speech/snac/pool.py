@@ -43,7 +43,7 @@ class StreamingSnac(StreamBridge):
                  head_kernels: bool = False) -> None:
         """`model`: a `snac.SNAC` (24 kHz config); its decoder weights are copied, the model is not kept.
         `compile`: the streaming step through torch.compile; `kernels`: its residual units as fused kernels;
-        `head_kernels`: its block heads too (opt-in). `max_streams` slots, `chunk_frames` per step."""
+        `head_kernels`: its block heads too. `max_streams` slots, `chunk_frames` per step."""
         super().__init__(model, device, dtype, max_streams, chunk_frames, compile, kernels, head_kernels)
         self._free = list(range(max_streams - 1, -1, -1))
         self._seeds = itertools.count(1)
@@ -51,7 +51,8 @@ class StreamingSnac(StreamBridge):
     @classmethod
     def load(cls, name_or_path: str, device: str = "auto", dtype: str = "auto", max_streams: int = 64,
              chunk_frames: int = 1, capture_graphs: bool = True, max_batch: int | None = None,
-             compile: bool | None = None, kernels: bool | None = None, head_kernels: bool = False) -> StreamingSnac:
+             compile: bool | None = None, kernels: bool | None = None,
+             head_kernels: bool | None = None) -> StreamingSnac:
         """Load a SNAC checkpoint (hub name or folder) and build the streaming decoder on `device` in `dtype`
         ("auto": `snac_device_and_dtype`), its step compiled with `compile` (None: `snac_compiles`), its residual
         units fused with `kernels` (None: `snac_kernels`) before anything runs. On CUDA with `capture_graphs`,
@@ -59,8 +60,9 @@ class StreamingSnac(StreamBridge):
 
         Where compiling or the kernels were only the default (None) and fail (no Triton for this GPU, no C
         compiler), the step runs without them with a warning, kernels first: exact all the same, only slower.
-        Asked for by name, their failure stops the start. `head_kernels` (benchmarks only until measured): the
-        block heads as fused kernels too, in every attempt."""
+        Asked for by name, their failure stops the start. `head_kernels`: the block heads as fused kernels too
+        (None: with the residual units' kernels, in each attempt that fuses them; the benchmarks set it to time
+        the units alone)."""
         from snac import SNAC
 
         device, dtype = snac_device_and_dtype(device, dtype)
@@ -74,7 +76,8 @@ class StreamingSnac(StreamBridge):
         if compiles and compile is None:
             attempts.append((False, attempts[-1][1]))
         for n, (compiled, fused) in enumerate(attempts):
-            snac = cls(model, device, dtype, max_streams, chunk_frames, compiled, fused, head_kernels)
+            heads = fused if head_kernels is None else head_kernels
+            snac = cls(model, device, dtype, max_streams, chunk_frames, compiled, fused, heads)
             try:
                 snac.precompile()  # a compiler or kernel that cannot work fails here, before any graph capture
                 break
