@@ -634,18 +634,57 @@ async def test_text_doors_measure_a_running_gateway_at_several_utterances_at_onc
             positive_int_list(bad)
 
 
+def test_class_sim_scripted_once_bound_of_fixed_texts() -> None:
+    """class_sim's bound: every free line's sentence caps plus each distinct scripted sentence's cap once (a
+    sentence shared by two scripted lines counts once); the caps are the gateway's per-character rule, in whole
+    frames, clamped by max_tokens; the table shows the bound only when it is known, an empty kind as "-"."""
+    from gateway.benchmarks import class_sim
+
+    said = [class_sim.Result(0, "miss", 0.1, True, "Bom dia! Como você está?", 1.0),
+            class_sim.Result(1, "hit", 0.0, True, "Bom dia! Como você está?", 1.0),
+            class_sim.Result(1, "miss", 0.1, True, "Bom dia!", 0.5),
+            class_sim.Result(0, "free", 0.1, True, "Student 0 asks a free question number 1.", 1.0),
+            class_sim.Result(1, "free", 0.1, True, "Student 1 asks a free question number 0.", 1.0)]
+    # 8, 15 and 40 characters at 0.5 a character: 1, 2 and 3 frames of 7 tokens.
+    assert class_sim.token_bound(said, class_sim.TokenCaps(0.5, 140)) == 7 + 14 + 21 + 21
+    # At 6 a character every sentence reaches max_tokens (28: 4 frames).
+    assert class_sim.token_bound(said, class_sim.TokenCaps(6.0, 28)) == 28 * 4
+    assert class_sim.p([], 50) is None
+    run = class_sim.Run("on", 2, "tara", tokens=84.0, results=said)
+    assert "token bound" not in class_sim.report([run], 2, 0.4)
+    run.token_bound = class_sim.token_bound(said, class_sim.TokenCaps(6.0, 28))
+    assert class_sim.summary(run)["tokens_vs_bound"] == pytest.approx(84 / 112)
+    silent = class_sim.Run("off", 2, "tara", token_bound=0)  # nothing said: no ratio, no TTFA
+    rows = class_sim.report([run, silent], 2, 0.4).splitlines()[-2:]
+    assert rows == ["| 2 | on | 84 | 112 | 0.75 | 0 / 0 | 100 / 100 | 100 / 100 | 5 of 5 | 2 of 2 | 0 | 0 |",
+                    "| 2 | off | 0 | - | - | - | - | - | 0 of 0 | 2 of 2 | 0 | 0 |"]
+
+
 @pytest.mark.engine
 async def test_class_sim_cache_on_generates_each_scripted_line_once(synthesizer: Synthesizer,
                                                                     test_config: GatewayConfig,
-                                                                    tmp_path: Path) -> None:
+                                                                    tmp_path: Path, monkeypatch: Any) -> None:
     """benchmarks.class_sim (the `--gateway-url` path, CPU smoke, a two-line lesson, no free lines): one gateway with
     `--phrase-cache marked` serves both modes; off, every line goes to the engine and nothing is a hit; on, each
-    line is generated once (single flight) and the gateway counts its hits."""
+    line is generated once (single flight) and the gateway counts its hits. With the engine's caps (0.5 tokens a
+    character), the on run stays within the scripted-once bound of what was said and the off run within every
+    line's cap; its JSON has no NaN. A second class with free lines and `--listen`: each student heard every line
+    out (first audio + buffer + duration) before its next, and the bound counts its free lines."""
     from gateway.benchmarks import class_sim
+    from gateway.orpheus import sentence_token_cap, split_sentences
 
-    config = replace(test_config, max_tokens=28, phrase_cache="marked", phrase_cache_dir=str(tmp_path / "phrases"))
+    tokens_per_char = 0.5  # caps of 1 to 3 frames: the tiny model reaches them before it stops
+    monkeypatch.setattr(synthesizer, "config", replace(synthesizer.config, max_tokens_per_char=tokens_per_char))
+    caps = class_sim.TokenCaps(tokens_per_char, synthesizer.config.max_tokens)
+
+    def cap(text: str) -> int:
+        return sum(sentence_token_cap(len(s), tokens_per_char, caps.max_tokens) for s in split_sentences(text))
+
+    config = replace(test_config, max_tokens=28, max_tokens_per_char=tokens_per_char, phrase_cache="marked",
+                     phrase_cache_dir=str(tmp_path / "phrases"))
     async with running(config, synthesizer) as (base, _gateway):
-        off, on = await class_sim.measure(base, [3], lines=2, free=0.0, seed=1)
+        off, on = await class_sim.measure(base, [3], lines=2, free=0.0, seed=1, caps=caps)
+        heard = await class_sim.measure(base, [2], lines=2, free=0.5, seed=3, caps=caps, listen=True)
     assert (off.mode, on.mode) == ("off", "on") and off.voice == on.voice
     assert len(off.results) == len(on.results) == 6
     assert off.hits_counted == 0 and not [r for r in off.results if r.kind == "hit"]
@@ -653,6 +692,31 @@ async def test_class_sim_cache_on_generates_each_scripted_line_once(synthesizer:
     assert on.hits_counted >= len([r for r in on.results if r.kind == "hit"])
     figures = class_sim.summary(on)
     assert figures["requests"] == 6 and 0 <= figures["real_time_students"] <= 3
+
+    lesson_sentences = {s for line in class_sim.LESSON[:2] for s in split_sentences(line)}
+    assert on.token_bound == off.token_bound == sum(map(cap, lesson_sentences)) > 0
+    assert on.tokens <= on.token_bound * 1.05
+    assert off.tokens <= sum(cap(r.text) for r in off.results)
+    assert figures["tokens_vs_bound"] == pytest.approx(on.tokens / on.token_bound)
+    args = argparse.Namespace(json=str(tmp_path / "class_sim.json"), free=0.0, lines=2, listen=False,
+                              tokens_per_char=tokens_per_char, max_tokens=caps.max_tokens, gateway_url=base)
+    class_sim.save_json(args, [off, on])
+
+    def no_constant(name: str) -> None:
+        raise AssertionError(f"{name} in the JSON")
+    saved = json.loads((tmp_path / "class_sim.json").read_text(), parse_constant=no_constant)
+    assert saved["runs"][1]["ttfa"]["free"] == {"n": 0, "p50_ms": None, "p95_ms": None}
+    assert saved["runs"][1]["token_bound"] == on.token_bound and saved["listen"] is False
+
+    for run in heard:
+        assert len(run.results) == 4 and "free" in {r.kind for r in run.results} != {"free"}
+        scripted = {s for r in run.results if r.kind != "free" for s in split_sentences(r.text)}
+        assert run.token_bound == sum(cap(r.text) for r in run.results if r.kind == "free") + sum(map(cap, scripted))
+        assert run.tokens <= (run.token_bound * 1.05 if run.mode == "on" else sum(cap(r.text) for r in run.results))
+        assert all(r.audio_s > 0 for r in run.results)
+        for k in range(2):
+            listened = sum(class_sim.BUFFER_S + r.audio_s for r in run.results if r.student == k)
+            assert listened <= run.wall_s
 
 
 # --- several models on one engine process (issue 37): the benchmark's own table on two tiny engines ----------------
