@@ -36,8 +36,9 @@ from gateway.speech.snac.kernels import block_head, head_phases, head_tiles
 # SNAC 24 kHz's decoder blocks: (input channels, stride, new input samples per stream in a one-frame step).
 BLOCKS = ((1024, 8, 4), (512, 8, 32), (256, 4, 256), (128, 2, 1024))
 # --sweep: input columns a tile (streams x samples), rows of (output channel, phase), warps, pipeline stages (3
-# compiled with the registers and shared memory of 1: not swept, snac_kernel_resources.py)
-SWEEP = ((64, 128), (64, 128, 256), (4, 8), (1,))
+# compiled with the registers and shared memory of 1: not swept, snac_kernel_resources.py). The first sweep's
+# fastest tiles were at its largest columns and rows (128, 256) and 8 warps, so this one reaches past them.
+SWEEP = ((64, 128, 256), (128, 256, 512), (8, 16), (1,))
 BLOCK_CI = 64  # input channels a step of the products' loop
 Tiles = tuple[int, int, int, int, int, int]
 
