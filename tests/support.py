@@ -447,8 +447,11 @@ class VllmServer:
 
     def start(self) -> None:
         # The command `serve --workers` runs when it starts its own server: the tiny model's CPU settings.
+        from gateway.speech.engine import RPC_FOLDER_ENV, own_rpc_folder
+
         cmd = vllm_serve_command(self.config, "127.0.0.1", self.port)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        # its ipc sockets in this test process's own folder, removed when the tests end
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", RPC_FOLDER_ENV: own_rpc_folder()}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
