@@ -45,11 +45,10 @@ class EngineState(enum.Enum):
 # vLLM's own defaults for these are on: saying no takes `--no-<flag>` on `vllm serve`.
 VLLM_FLAGS_ON_BY_DEFAULT = frozenset({"enable_chunked_prefill", "enable_prefix_caching"})
 # The folder of vLLM's ZeroMQ ipc sockets (vLLM's default: the temporary folder). ZeroMQ does not unlink an ipc
-# socket's file, so each engine start left ~7 files behind there; the gateway gives vLLM a folder it removes.
+# socket's file, so each engine start left ~7 files behind there; the gateway gives vLLM a folder it removes,
+# directly in the temporary folder: a socket's path must fit a Unix address's 108 bytes.
 RPC_FOLDER_ENV = "VLLM_RPC_BASE_PATH"
-
-
-RPC_FOLDER_PREFIX = "orpheus-vllm-rpc-"  # in the temporary folder: a socket's path must fit a Unix address's 108 bytes
+RPC_FOLDER_PREFIX = "orpheus-vllm-rpc-"
 
 
 @functools.cache
