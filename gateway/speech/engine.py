@@ -341,7 +341,7 @@ class OrpheusEngine(EngineBase):
     def unfinished_requests(self) -> int:
         """Requests the engine itself still tracks (0 once every aborted request is really gone)."""
         llm = self._llm
-        return 0 if llm is None else llm.output_processor.get_num_unfinished_requests()
+        return 0 if llm is None else _unfinished_requests(llm)
 
     def engine_process_ids(self) -> list[int]:
         """PIDs of this engine's engine-core processes (for fault tests and operations).
@@ -451,7 +451,7 @@ async def _shut_down(llm: Any) -> None:
     after the real shutdown, the instance's `shutdown` is one that does nothing.
     """
     handler = getattr(llm, "output_handler", None)
-    if handler is not None and not handler.done() and llm.get_num_unfinished_requests() == 0:
+    if handler is not None and not handler.done() and _unfinished_requests(llm) == 0:
         handler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await handler
@@ -459,6 +459,12 @@ async def _shut_down(llm: Any) -> None:
         await asyncio.to_thread(llm.shutdown)
     finally:
         llm.shutdown = _already_shut_down
+
+
+def _unfinished_requests(llm: Any) -> int:
+    """Requests an AsyncLLM still has open; its output processor counts them in every vLLM release we run
+    (`AsyncLLM.get_num_unfinished_requests` is newer than some of them)."""
+    return llm.output_processor.get_num_unfinished_requests()
 
 
 def _already_shut_down(timeout: float | None = None) -> None:
