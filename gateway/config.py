@@ -132,6 +132,11 @@ class GatewayConfig:
                                        "none starts fast while another sentence waits for its first token.")
     decode_max_batch: int = _opt(256, "Most streams the SNAC decoder advances in one step (CUDA graphs are captured "
                                  "for batches up to this).")
+    snac_step_duty: float = _opt(1.0, "Most of the wall time the SNAC decoder's steps may take: after a step of t "
+                                 "seconds the next starts no sooner than t / duty from its start. 1 steps a due "
+                                 "stream as its frame comes; below 1, streams at or behind real time share fewer, "
+                                 "larger steps, leaving the GPU to generation. Being measured "
+                                 "(docs/decisions/snac-step-timing.md).")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
     snac_compile: bool | None = _opt(None, "Compile the exact decoder's step with torch.compile (Inductor fuses the "
                                      "Snakes, history copies, masks, noise and depthwise convolutions). Default: on "
@@ -401,6 +406,7 @@ def validate(config: GatewayConfig) -> None:
          "snac_kernels needs SNAC on CUDA (snac_device auto or cuda), not cpu"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
+        (0 < config.snac_step_duty <= 1, "snac_step_duty must be within (0, 1]"),
         (config.stream_interval >= 1, "stream_interval must be >= 1"),
         (config.temperature >= 0, "temperature must be >= 0"),
         (0 < config.top_p <= 1, "top_p must be within (0, 1]"),

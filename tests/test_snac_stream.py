@@ -704,6 +704,69 @@ async def test_a_stream_with_lead_to_spare_waits_for_the_held_step_and_a_due_one
         decoder.close()
 
 
+async def test_after_a_step_the_next_waits_for_its_rest_though_a_stream_is_due(snac_model: torch.nn.Module) -> None:
+    """`step_duty`, on the decoder's clock: each step takes 30 ms of it here. At a duty of 1/4 a step that left an
+    open stream out (it had no frame) is followed by none until 120 ms from its start, though the stepped stream's
+    lead is 0 (due); the next comes once that rest is over. A step that took both streams rests only its own 30 ms:
+    waiting could not have grown it. At a duty of 1 due frames are stepped as they come, the clock standing still."""
+    step_s, duty = 0.03, 0.25
+    clock = ManualClock()
+    decoder = decoder_on(clock, snac_model)
+    step_batch, step_starts = decoder.snac.step_batch, []
+
+    def timed_step(handles: list[Any]) -> list[np.ndarray]:
+        step_starts.append(clock())
+        clock.advance(step_s)
+        return step_batch(handles)
+
+    decoder.snac.step_batch = timed_step  # type: ignore[method-assign]
+    try:
+        lead = [1.0]  # both listeners'
+        streams, frames = [], [make_frames(10, seed=22 + k) for k in range(2)]
+        for k in range(2):
+            stream = decoder.open(lambda: lead[0], lookahead=0)
+            decoder.push(stream, frames[k][:2])
+            await asyncio.wait_for(stream.chunks.get(), 60)
+            decoder.push(stream, frames[k][2:4])
+            await wait_until(lambda stream=stream: not stream.bridging)
+            streams.append(stream)
+        a, b = (stream.handle for stream in streams)
+        assert a is not None and b is not None
+        lead[0] = 0.0  # due from now on; at duty 1 the frames in are stepped one after another at once
+        decoder.push(streams[0], frames[0][4:5])
+        await wait_until(lambda: not decoder.snac.ready(a) and not decoder.snac.ready(b), timeout=30)
+        assert a.stepped == 5 and b.stepped == 4
+
+        decoder.step_duty = duty
+        decoder.push(streams[0], frames[0][5:6])  # stepped at once (the last step left no rest), b left out
+        await wait_until(lambda: a.stepped == 6, timeout=30)
+        rested_at = step_starts[-1] + step_s / duty
+        decoder.push(streams[0], frames[0][6:7])
+        await wait_until(lambda: a.received == 7, timeout=30)
+        clock.advance(rested_at - clock() - 0.01)
+        await worker_looked(decoder)
+        assert a.stepped == 6, "stepped before the last step's rest was over"
+        clock.advance(0.02)
+        await wait_until(lambda: a.stepped == 7, timeout=30)
+        assert rested_at <= step_starts[-1] <= rested_at + 0.01
+
+        clock.advance(step_s / duty)  # past that step's rest: the next step takes both, and rests only itself
+        decoder.push(streams[0], frames[0][7:8])
+        decoder.push(streams[1], frames[1][4:5])
+        await wait_until(lambda: a.stepped == 8 and b.stepped == 5, timeout=30)
+        decoder.push(streams[0], frames[0][8:9])
+        await wait_until(lambda: a.stepped == 9, timeout=30)
+        assert step_starts[-1] - step_starts[-2] == pytest.approx(step_s)
+    finally:
+        decoder.close()
+
+
+def test_a_step_duty_outside_its_range_is_refused(snac_model: torch.nn.Module) -> None:
+    for duty in (0.0, 1.5):
+        with pytest.raises(ValueError, match="step_duty"):
+            decoder_on(ManualClock(), snac_model, step_duty=duty)
+
+
 @pytest.mark.parametrize(("lead_s", "handover"), [(0.0, (MAX_HEAD_FRAMES - 1) * SAMPLES_PER_FRAME),
                                                   (1.0, SAMPLES_PER_FRAME)])
 async def test_the_bridge_goes_on_until_the_lead_covers_the_handover(stream_decoder: StreamDecoder, lead_s: float,

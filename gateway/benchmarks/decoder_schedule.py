@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import tempfile
@@ -54,6 +55,7 @@ class ScheduleRun:
     listener_ms: int
     hold_ms: float
     due_ms: float  # a stream with less lead is stepped at once
+    step_duty: float  # the most of the wall time steps take (the gateway's --snac-step-duty)
     start: str  # how a first audio starts (a name in `start_policies.START_POLICIES`)
     decoder: str  # DECODERS
     delivery_ms: float  # from the decoder to the listener
@@ -78,8 +80,9 @@ class ScheduleRun:
 
 async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, listener_s: float, hold_s: float,
                   due_s: float = DUE_LEAD_S, delivery_s: float = 0.0, start: str = EXACT_OR_BRIDGE.name,
-                  where: str = DECODERS[0]) -> ScheduleRun:
-    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start=START_POLICIES[start])
+                  where: str = DECODERS[0], step_duty: float = 1.0) -> ScheduleRun:
+    decoder = StreamDecoder(snac, max_batch=streams, hold_s=hold_s, due_lead_s=due_s, start=START_POLICIES[start],
+                            step_duty=step_duty)
     server: StreamCodecServer | None = None
     client: Decoder = decoder
     if where == "remote":
@@ -106,7 +109,7 @@ async def run_one(snac: StreamingSnac, streams: int, frames: int, pace: float, l
     starts = first_audio_starts(stats.first_audios, stats.start_hold_s, stats.paced_starts, stats.start_pace_s)
     playbacks = [simulate_playback(arrivals, listener_s) for _, arrivals, _ in results]
     return ScheduleRun(
-        streams, round(listener_s * 1000), round(hold_s * 1000, 1), round(due_s * 1000, 1), start, where,
+        streams, round(listener_s * 1000), round(hold_s * 1000, 1), round(due_s * 1000, 1), step_duty, start, where,
         round(delivery_s * 1000, 1), pace, frames, round(wall, 2), stats.batches,
         stats.held_steps, round(stats.windows / stats.batches, 1) if stats.batches else 0.0,
         round(stats.batches / wall, 1), round(stats.busy_s / wall, 3), round(stats.longest_tick_s * 1000, 1),
@@ -169,10 +172,10 @@ def load_snac(path: str | None, device: str, streams: int) -> StreamingSnac:
 
 
 def table(runs: list[ScheduleRun]) -> str:
-    head = ("streams", "listener ms", "hold ms", "due ms", "start", "decoder", "delivery ms", "steps", "held",
-            "mean batch", "steps/s", "busy", "longest tick ms", "bridge frames/frame", "exact starts",
+    head = ("streams", "listener ms", "hold ms", "due ms", "step duty", "start", "decoder", "delivery ms", "steps",
+            "held", "mean batch", "steps/s", "busy", "longest tick ms", "bridge frames/frame", "exact starts",
             "first audio p50 ms", "start hold ms", "pace at start ms", "stalled", "stalled ms max", "complete")
-    rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", f"{r.due_ms:g}",
+    rows = [head] + [(str(r.streams), str(r.listener_ms), f"{r.hold_ms:g}", f"{r.due_ms:g}", f"{r.step_duty:g}",
                       r.start, r.decoder, f"{r.delivery_ms:g}",
                       str(r.steps), str(r.held_steps),
                       f"{r.mean_batch:.1f}", f"{r.steps_per_s:.1f}", f"{r.busy_share:.0%}", f"{r.longest_tick_ms:.0f}",
@@ -213,17 +216,14 @@ async def main_async(args: argparse.Namespace, report: Callable[[str], None]) ->
         # Warm-up, not counted: each batch size's graphs and compiled shapes (the bridge's too) are made on first
         # use, and a warm-up at another size leaves the first counted run a long tick.
         await run_one(snac, streams, args.frames, args.pace, 0.0, MAX_HOLD_S)
-        for listener_ms in args.listener_ms:
-            for hold_s in args.holds:
-                for due_ms in args.due_ms:
-                    for start in args.starts:
-                        for where in args.decoders:
-                            run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s,
-                                                due_ms / 1000, args.delivery_ms / 1000, start, where)
-                            report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms, "
-                                   f"due {due_ms:g} ms, start {start}, {where}: {run.steps} steps of "
-                                   f"{run.mean_batch:.1f}, {run.streams_stalled} stalled")
-                            runs.append(run)
+        for listener_ms, hold_s, due_ms, duty, start, where in itertools.product(
+                args.listener_ms, args.holds, args.due_ms, args.step_duty, args.starts, args.decoders):
+            run = await run_one(snac, streams, args.frames, args.pace, listener_ms / 1000, hold_s, due_ms / 1000,
+                                args.delivery_ms / 1000, start, where, duty)
+            report(f"{streams} streams, {listener_ms:g} ms listener, hold {hold_s * 1000:g} ms, due {due_ms:g} ms, "
+                   f"duty {duty:g}, start {start}, {where}: {run.steps} steps of {run.mean_batch:.1f}, "
+                   f"{run.streams_stalled} stalled")
+            runs.append(run)
     return runs
 
 
@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holds", type=_floats, default=[0.0, MAX_HOLD_S], help="seconds (0: step at every frame)")
     parser.add_argument("--due-ms", type=_floats, default=[DUE_LEAD_S * 1000],
                         help="due leads to compare, ms (default: the gateway's DUE_LEAD_S)")
+    parser.add_argument("--step-duty", type=_floats, default=[1.0],
+                        help="step duties to compare (the gateway's --snac-step-duty; 1: no rest after a step)")
     parser.add_argument("--starts", type=_starts, default=[EXACT_OR_BRIDGE.name],
                         help=f"how first audio starts, to compare: {','.join(START_POLICIES)} "
                              "(`start_policies.START_POLICIES`; the first is the gateway's)")

@@ -48,6 +48,7 @@ class DecoderSettings:
     max_streams: int = 512  # stream slots, for the sentences of all workers together
     compile: bool | None = None  # the step through torch.compile (the gateway's snac_compile; None: on a GPU)
     kernels: bool | None = None  # residual units as fused kernels (the gateway's snac_kernels; None: where they run)
+    step_duty: float = 1.0  # the most of the wall time steps take (the gateway's snac_step_duty; 1: no rest)
 
 
 def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
@@ -57,4 +58,4 @@ def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
     snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
                               max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
                               max_batch=settings.max_batch, compile=settings.compile, kernels=settings.kernels)
-    return StreamDecoder(snac, settings.max_batch)
+    return StreamDecoder(snac, settings.max_batch, step_duty=settings.step_duty)

@@ -1,11 +1,11 @@
 """The exact streaming SNAC decoder (`snac.StreamingSnac`) serving every sentence of a process: one worker thread owns
 it, and each step advances all streams that have a frame to decode in one batched launch. It steps when a ready
 stream is due (its audio runs less than `DUE_LEAD_S` ahead of its listener) or the last step is `MAX_HOLD_S` old, so
-streams with lead to spare join one step; a stream's first audio comes from the bridge or the exact stream as the
-start policy (`first_audio`) says, and the bridge goes on until the stream's lead covers the hand-over. The event
-loop only enqueues commands (one queue item per loop iteration, a stream's open with its first push: each wake-up
-takes the GIL from the loop) and awaits chunks; nothing here blocks it. Why: docs/decisions/snac-step-timing.md and
-docs/decisions/first-audio-start.md.
+streams with lead to spare join one step, and never sooner than the last step's rest (`step_duty`); a stream's first
+audio comes from the bridge or the exact stream as the start policy (`first_audio`) says, and the bridge goes on
+until the stream's lead covers the hand-over. The event loop only enqueues commands (one queue item per loop
+iteration, a stream's open with its first push: each wake-up takes the GIL from the loop) and awaits chunks; nothing
+here blocks it. Why: docs/decisions/snac-step-timing.md and docs/decisions/first-audio-start.md.
 """
 
 from __future__ import annotations
@@ -134,12 +134,19 @@ class StreamDecoder:
                  on_batch: Callable[[int, float, int, int], None] | None = None, hold_s: float = MAX_HOLD_S,
                  due_lead_s: float = DUE_LEAD_S, start: StartPolicy = EXACT_OR_BRIDGE,
                  on_first_audio: Callable[[bool, float, float | None], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, step_duty: float = 1.0) -> None:
+        if not 0 < step_duty <= 1:
+            raise ValueError(f"step_duty must be within (0, 1], not {step_duty}")
         self.snac = snac
         self._clock = clock  # seconds, monotonic: push stamps, holds, steps and their durations all read it
         self.max_batch = max_batch
         self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
         self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
+        # The most of the wall time steps take: after a step of t seconds that left open streams out, none starts
+        # before t / step_duty from its start, due streams or not (1: a due stream is stepped as its frame comes).
+        # Where every stream is due (generation at or behind real time), stepping at every frame runs many small
+        # batches whose GPU time slows generation further (docs/decisions/snac-step-timing.md, "Behind real time").
+        self.step_duty = step_duty
         self.start = start  # how a first audio starts (`_first_audio_at`; benchmarks compare others)
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
         # (from the exact stream, seconds from the head ready, the pace planned at or None): the metrics hook
@@ -153,6 +160,7 @@ class StreamDecoder:
         self.commands_sent = 0  # event-loop side: commands handed to the worker so far (tests wait on it)
         self._streams: list[DecodeStream] = []
         self._last_step = 0.0  # clock time of the last step: the hold counts from it
+        self._rested_at = 0.0  # clock time before which no step starts (`step_duty`)
         self.pace = GenerationPace()  # every stream's recent frame intervals (`_pace_s`)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -263,8 +271,9 @@ class StreamDecoder:
 
     def _step_due_in(self, lead_s: float, now: float) -> float:
         """Seconds until a ready stream with this lead must be stepped: until its lead falls to `due_lead_s` or
-        the last step is `hold_s` old, whichever comes first (0: now)."""
-        return max(0.0, min(lead_s - self.due_lead_s, self._last_step + self.hold_s - now))
+        the last step is `hold_s` old, whichever comes first, and not before the last step's rest is over
+        (`step_duty`) (0: now)."""
+        return max(0.0, self._rested_at - now, min(lead_s - self.due_lead_s, self._last_step + self.hold_s - now))
 
     def _bridge_due(self, stream: DecodeStream) -> bool:
         """`_bridge` has something to do for this started stream: while it bridges, a decision on a new frame (a
@@ -383,6 +392,10 @@ class StreamDecoder:
             self._fail(batch, exc)
             return
         elapsed = self._clock() - t0
+        # A step that took every open stream (or its most) rests no longer than itself: waiting cannot grow the
+        # next batch (the decoder, not generation, is behind).
+        whole = len(batch) >= min(self.max_batch, sum(1 for s in self._streams if s.handle and not s.handle.closed))
+        self._rested_at = t0 + (elapsed if whole else elapsed / self.step_duty)
         self.stats.batches += 1
         self.stats.held_steps += held
         self.stats.windows += len(batch)

@@ -475,7 +475,7 @@ def decoder_settings(config: GatewayConfig) -> DecoderSettings:
     return DecoderSettings(snac_model=config.snac_model, device=config.snac_device, snac_dtype=config.snac_dtype,
                            cuda_graphs=config.snac_cuda_graphs, max_batch=config.decode_max_batch,
                            max_streams=_stream_slots(config), compile=config.snac_compile,
-                           kernels=config.snac_kernels)
+                           kernels=config.snac_kernels, step_duty=config.snac_step_duty)
 
 
 async def aiter_of(items: Iterable[_T] | AsyncIterable[_T]) -> AsyncIterator[_T]:
