@@ -152,17 +152,17 @@ def head_phases(weight: torch.Tensor, stride: int) -> torch.Tensor:
 def head_tiles(in_channels: int, out_channels: int, stride: int, length: int,
                interpreted: bool = False) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_R, BLOCK_T, BLOCK_O, BLOCK_CI, num_warps, num_stages) of a block head of `length` new inputs a
-    stream: up to 64 input columns of one stream a tile, short streams side by side up to 128 columns, 256 rows of
-    (output channel, phase), input channels in blocks of 64, 8 warps: the fastest of the tiles measured per head
-    (docs/decisions/snac-kernels.md, "Block heads").
+    stream: up to 64 input columns of one stream a tile; short streams side by side up to 128 columns, 256 rows of
+    (output channel, phase) and 16 warps; one stream a tile: up to 512 rows and 8 warps; input channels in blocks
+    of 64: the fastest of the tiles measured per head (docs/decisions/snac-kernels.md, "Block heads").
     `interpreted` (Triton's interpreter, on a CPU): one tile per stream, big channel blocks (each op one numpy
     call over it, within Triton's bound on a tile's size)."""
     whole = _whole(length)
     if interpreted:
         return 1, whole, max(1, min(out_channels, 512 // stride)), min(in_channels, 256), 4, 1
-    block_t = min(64, whole)
-    block_r, block_o = max(1, 128 // whole), max(1, min(out_channels, 256 // stride))
-    return block_r, block_t, block_o, min(in_channels, 64), tile_warps(block_o * stride * block_r * block_t), 1
+    block_t, block_r = min(64, whole), max(1, 128 // whole)
+    rows, warps = (256, 16) if block_r > 1 else (512, 8)
+    return block_r, block_t, max(1, min(out_channels, rows // stride)), min(in_channels, 64), warps, 1
 
 
 def block_head(x_history: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, phases: torch.Tensor,
