@@ -394,7 +394,8 @@ class StreamDecoder:
         elapsed = self._clock() - t0
         # A step that took every open stream (or its most) rests no longer than itself: waiting cannot grow the
         # next batch (the decoder, not generation, is behind).
-        whole = len(batch) >= min(self.max_batch, sum(1 for s in self._streams if s.handle and not s.handle.closed))
+        open_streams = sum(1 for s in self._streams if s.handle is not None and not s.handle.closed)
+        whole = len(batch) >= min(self.max_batch, open_streams)
         self._rested_at = t0 + (elapsed if whole else elapsed / self.step_duty)
         self.stats.batches += 1
         self.stats.held_steps += held
