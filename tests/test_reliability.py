@@ -766,7 +766,7 @@ async def test_snac_decode_failure_fails_that_utterance_only(
 
 
 UTTERANCE_VOICE: contextvars.ContextVar[str] = contextvars.ContextVar("utterance_voice", default="")
-BATCHING_DELAY_S = 0.1
+BATCHING_WAIT_S = 20.0  # the longest the first steps wait for a second utterance's stream to open
 
 
 @needs_engine
@@ -800,8 +800,11 @@ async def test_a_failing_snac_step_fails_every_utterance_in_its_batch(
         if not hit and len(voices) >= 2:
             hit.append(voices)
             raise RuntimeError("injected SNAC fault for a whole batch")
-        if not hit:
-            time.sleep(BATCHING_DELAY_S)  # a slow step: the utterances' streams pile up into one batch
+        # Until a second utterance has opened its stream, each step waits for it (the worker thread, not the
+        # loop): the streams pile up into one batch however slowly the peers' texts arrive on a loaded machine.
+        deadline = time.monotonic() + BATCHING_WAIT_S
+        while not hit and len({voice for _, voice in list(opened)}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         return real_step(handles, *args, **kwargs)
 
     monkeypatch.setattr(synthesizer, "utterance", utterance)
