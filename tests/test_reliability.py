@@ -766,7 +766,8 @@ async def test_snac_decode_failure_fails_that_utterance_only(
 
 
 UTTERANCE_VOICE: contextvars.ContextVar[str] = contextvars.ContextVar("utterance_voice", default="")
-BATCHING_WAIT_S = 20.0  # the longest the first steps wait for a second utterance's stream to open
+BATCHING_WAIT_S = 20.0  # the longest the first steps wait for a second utterance's stream's frames
+BATCHING_DELAY_S = 0.1  # each step until the fault: the first utterance's stream outlives the others' starts
 
 
 @needs_engine
@@ -800,11 +801,13 @@ async def test_a_failing_snac_step_fails_every_utterance_in_its_batch(
         if not hit and len(voices) >= 2:
             hit.append(voices)
             raise RuntimeError("injected SNAC fault for a whole batch")
-        # Until a second utterance has opened its stream, each step waits for it (the worker thread, not the
-        # loop): the streams pile up into one batch however slowly the peers' texts arrive on a loaded machine.
-        deadline = time.monotonic() + BATCHING_WAIT_S
-        while not hit and len({voice for _, voice in list(opened)}) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if not hit:
+            # A slow step (the worker thread, not the loop), and none until a second utterance's stream has sent
+            # its frames: the streams pile up into one batch however slowly the texts arrive on a loaded machine.
+            deadline = time.monotonic() + BATCHING_WAIT_S
+            while len({voice for s, voice in list(opened) if s.opened}) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(BATCHING_DELAY_S)
         return real_step(handles, *args, **kwargs)
 
     monkeypatch.setattr(synthesizer, "utterance", utterance)
