@@ -394,9 +394,12 @@ class StreamDecoder:
         elapsed = self._clock() - t0
         # A step that took every open stream (or its most) rests no longer than itself: waiting cannot grow the
         # next batch (the decoder, not generation, is behind).
-        open_streams = sum(1 for s in self._streams if s.handle is not None and not s.handle.closed)
-        whole = len(batch) >= min(self.max_batch, open_streams)
-        self._rested_at = t0 + (elapsed if whole else elapsed / self.step_duty)
+        rest_s = elapsed
+        if self.step_duty < 1:  # at 1 the rest is the step itself: no need to count the open streams
+            open_streams = sum(1 for s in self._streams if s.handle is not None and not s.handle.closed)
+            if len(batch) < min(self.max_batch, open_streams):
+                rest_s = elapsed / self.step_duty
+        self._rested_at = t0 + rest_s
         self.stats.batches += 1
         self.stats.held_steps += held
         self.stats.windows += len(batch)
