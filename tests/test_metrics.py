@@ -8,7 +8,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.benchmarks.gateway_procs import loop_lag_buckets, loop_lag_summary
+from gateway.benchmarks.gateway_procs import all_processes_answered, loop_lag_buckets, loop_lag_summary
 from gateway.service.loop_lag import LoopLagMonitor
 from gateway.service.metrics import Metrics, merge_worker_expositions
 
@@ -49,6 +49,22 @@ def test_worker_count_family_says_how_many_answered() -> None:
     families = {f.name: f for f in text_string_to_metric_families(merged.decode())}
     assert {s.labels["state"]: s.value for s in families["orpheus_metrics_workers"].samples} == \
         {"answered": 1.0, "expected": 2.0}
+
+
+def test_a_merged_read_missing_a_process_is_read_again_by_the_bench() -> None:
+    """A worker or the shared SNAC process that did not answer a merged read is missing from it, so a benchmark
+    that differences two readings reads again (a missing SNAC process read as zero steps)."""
+    workers = {"w0": Metrics().render().decode(), "w1": Metrics().render().decode()}
+    whole = merge_worker_expositions({**workers, "snac": Metrics().render().decode()}, expected=2, answered=2,
+                                     snac_answered=True).decode()
+    families = {f.name: f for f in text_string_to_metric_families(whole)}
+    assert {s.labels["state"]: s.value for s in families["orpheus_metrics_snac_process"].samples} == \
+        {"answered": 1.0, "expected": 1.0}
+    assert all_processes_answered(whole)
+    assert not all_processes_answered(merge_worker_expositions(workers, expected=2, answered=2,
+                                                               snac_answered=False).decode())
+    assert not all_processes_answered(merge_worker_expositions({"w0": workers["w0"]}, expected=2).decode())
+    assert all_processes_answered(Metrics().render().decode()), "a single gateway's own /metrics is whole"
 
 
 async def test_a_blocked_loop_shows_in_the_lag_histogram_and_the_benchs_reading() -> None:

@@ -7,6 +7,7 @@ run shows where the cores went (workers' media, vLLM's HTTP front, SNAC, the cli
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from collections.abc import Mapping
@@ -97,6 +98,8 @@ SNAC_SAMPLES = {
     "orpheus_snac_start_pace_seconds_sum": "start_pace_s",
 }
 METRICS_TIMEOUT_S = 5.0
+METRICS_ATTEMPTS = 4  # a merged read where a process did not answer (loaded host) is read again
+METRICS_RETRY_S = 0.5
 
 
 def snac_counters(exposition: str) -> dict[str, float]:
@@ -172,15 +175,37 @@ class GatewayWatch:
         self.supervisor_pid = supervisor_pid
 
     async def snapshot(self) -> GatewaySnapshot:
+        """One reading; /metrics is read again (up to METRICS_ATTEMPTS times) while a worker or the shared SNAC
+        process did not answer the merged read, since its counters would be missing from the difference."""
         import aiohttp
 
         cpu = cpu_by_process(self.supervisor_pid) if self.supervisor_pid is not None else {}
-        snac: dict[str, float] | None = None
-        loop_lag: dict[str, dict[float, float]] | None = None
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-            timeout = aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S)
-            async with aiohttp.ClientSession(timeout=timeout) as http, http.get(f"{self.base_url}/metrics") as r:
-                if r.status == 200:
-                    text = await r.text()
-                    snac, loop_lag = snac_counters(text), loop_lag_buckets(text)
-        return GatewaySnapshot(cpu, snac, loop_lag)
+        text: str | None = None
+        for attempt in range(METRICS_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(METRICS_RETRY_S)
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                timeout = aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S)
+                async with aiohttp.ClientSession(timeout=timeout) as http, \
+                        http.get(f"{self.base_url}/metrics") as r:
+                    text = await r.text() if r.status == 200 else None
+            if text is not None and all_processes_answered(text):
+                break
+        if text is None:
+            return GatewaySnapshot(cpu, None, None)
+        return GatewaySnapshot(cpu, snac_counters(text), loop_lag_buckets(text))
+
+
+def all_processes_answered(exposition: str) -> bool:
+    """Whether every worker and the shared SNAC process answered a merged /metrics read (a single gateway's own
+    /metrics, which has no such counts, always has)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.service.metrics import METRICS_WORKERS_METRIC, SNAC_PROCESS_METRIC
+
+    for family in text_string_to_metric_families(exposition):
+        if family.name in (METRICS_WORKERS_METRIC, SNAC_PROCESS_METRIC):
+            states = {s.labels.get("state"): s.value for s in family.samples}
+            if states.get("answered", 0.0) < states.get("expected", 0.0):
+                return False
+    return True

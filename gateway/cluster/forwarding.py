@@ -138,7 +138,8 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
     others = await asyncio.to_thread(other_workers, folder, own)
     sources = {p.stem: p for p in others}
     snac_socket = gateway.config.snac_socket
-    if snac_socket and await asyncio.to_thread(metrics_socket_path(snac_socket).exists):
+    snac_expected = bool(snac_socket) and await asyncio.to_thread(metrics_socket_path(snac_socket).exists)
+    if snac_expected:
         sources[SNAC_LABEL] = metrics_socket_path(snac_socket)  # the shared SNAC process: its decode passes
 
     async def fetch(name: str, path: Path) -> tuple[str, str | None]:
@@ -154,7 +155,8 @@ async def all_workers_metrics(request: web.Request, handler: Any) -> web.StreamR
     texts.update({name: text for name, text in await asyncio.gather(*(fetch(n, p) for n, p in sources.items()))
                   if text})
     body = merge_worker_expositions(texts, expected=len(others) + 1,
-                                    answered=sum(1 for name in texts if name != SNAC_LABEL))
+                                    answered=sum(1 for name in texts if name != SNAC_LABEL),
+                                    snac_answered=(SNAC_LABEL in texts) if snac_expected else None)
     response = web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
     response.headers[WORKER_HEADER] = own
     return response

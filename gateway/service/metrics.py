@@ -34,6 +34,8 @@ FIRST_AUDIO_HOLD_METRIC = "orpheus_snac_first_audio_hold_seconds"
 START_LABEL = "start"  # where a first audio came from: "exact" (the exact stream) or "bridge"
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 WORKER_LABEL = "worker"
+METRICS_WORKERS_METRIC = "orpheus_metrics_workers"  # merged /metrics: workers expected and answered
+SNAC_PROCESS_METRIC = "orpheus_metrics_snac_process"  # merged /metrics: the shared SNAC process, and if it answered
 METRICS_PATH = "/metrics"
 
 
@@ -257,11 +259,13 @@ class _Families:
 
 
 def merge_worker_expositions(texts: Mapping[str, str], expected: int | None = None,
-                             answered: int | None = None) -> bytes:
+                             answered: int | None = None, snac_answered: bool | None = None) -> bytes:
     """One exposition of several gateway processes' metrics (`serve --workers`), each sample labelled
     `worker="<name>"`: `sum by (...)` in Prometheus gives the gateway-wide figure. With `expected`, also
     `orpheus_metrics_workers{state}`: how many workers there are and how many answered (`answered`: when
-    `texts` also holds a process that is not a worker, the shared SNAC process)."""
+    `texts` also holds a process that is not a worker, the shared SNAC process). With `snac_answered` (there is a
+    shared SNAC process), `orpheus_metrics_snac_process{state}` likewise: a reader that compares counters across
+    two readings skips one where a process did not answer."""
     merged: dict[str, Metric] = {}
     for worker, text in texts.items():
         for family in text_string_to_metric_families(text):
@@ -271,9 +275,15 @@ def merge_worker_expositions(texts: Mapping[str, str], expected: int | None = No
             target.samples += [Sample(s.name, {**s.labels, WORKER_LABEL: worker}, s.value, s.timestamp, s.exemplar)
                                for s in family.samples]
     if expected is not None:
-        workers = GaugeMetricFamily("orpheus_metrics_workers", "Gateway workers (Unix sockets) and how many "
+        workers = GaugeMetricFamily(METRICS_WORKERS_METRIC, "Gateway workers (Unix sockets) and how many "
                                     "answered here.", labels=["state"])
         workers.add_metric(["answered"], len(texts) if answered is None else answered)
         workers.add_metric(["expected"], expected)
         merged[workers.name] = workers
+    if snac_answered is not None:
+        snac = GaugeMetricFamily(SNAC_PROCESS_METRIC, "The shared SNAC process, and whether it answered here.",
+                                 labels=["state"])
+        snac.add_metric(["answered"], int(snac_answered))
+        snac.add_metric(["expected"], 1)
+        merged[snac.name] = snac
     return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]
