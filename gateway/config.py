@@ -382,6 +382,14 @@ def _split_entries(items: list[str]) -> tuple[str, list[str]]:
         raise ConfigError(str(exc)) from None
 
 
+STEP_DUTY_BOUNDS = "(0, 1]"
+
+
+def step_duty_in_bounds(duty: float) -> bool:
+    """The SNAC decoder's step duty (`snac_step_duty`, `StreamDecoder(step_duty=)`): a share of the wall time."""
+    return 0 < duty <= 1
+
+
 def validate(config: GatewayConfig) -> None:
     """Reject settings that cannot work, with a message naming the setting."""
     from gateway.orpheus import AUDIO_TOKENS_PER_SECOND
@@ -406,7 +414,7 @@ def validate(config: GatewayConfig) -> None:
          "snac_kernels needs SNAC on CUDA (snac_device auto or cuda), not cpu"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
-        (0 < config.snac_step_duty <= 1, "snac_step_duty must be within (0, 1]"),
+        (step_duty_in_bounds(config.snac_step_duty), f"snac_step_duty must be within {STEP_DUTY_BOUNDS}"),
         (config.stream_interval >= 1, "stream_interval must be >= 1"),
         (config.temperature >= 0, "temperature must be >= 0"),
         (0 < config.top_p <= 1, "top_p must be within (0, 1]"),

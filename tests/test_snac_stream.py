@@ -762,9 +762,19 @@ async def test_after_a_step_the_next_waits_for_its_rest_though_a_stream_is_due(s
 
 
 def test_a_step_duty_outside_its_range_is_refused(snac_model: torch.nn.Module) -> None:
+    """By the decoder (direct users: the benchmarks) and by the gateway's configuration (one line at start-up)."""
+    import argparse
+
+    from gateway.config import ConfigError, add_arguments, from_sources
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
     for duty in (0.0, 1.5):
         with pytest.raises(ValueError, match="step_duty"):
             decoder_on(ManualClock(), snac_model, step_duty=duty)
+        with pytest.raises(ConfigError, match="snac_step_duty"):
+            from_sources(parser.parse_args(["--snac-step-duty", str(duty)]), env={})
+    assert from_sources(parser.parse_args(["--snac-step-duty", "0.25"]), env={}).snac_step_duty == 0.25
 
 
 @pytest.mark.parametrize(("lead_s", "handover"), [(0.0, (MAX_HEAD_FRAMES - 1) * SAMPLES_PER_FRAME),

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gateway.config import STEP_DUTY_BOUNDS, step_duty_in_bounds
 from gateway.orpheus import SAMPLE_RATE, Frame
 from gateway.speech.first_audio import (
     EXACT_OR_BRIDGE,
@@ -135,8 +136,8 @@ class StreamDecoder:
                  due_lead_s: float = DUE_LEAD_S, start: StartPolicy = EXACT_OR_BRIDGE,
                  on_first_audio: Callable[[bool, float, float | None], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, step_duty: float = 1.0) -> None:
-        if not 0 < step_duty <= 1:
-            raise ValueError(f"step_duty must be within (0, 1], not {step_duty}")
+        if not step_duty_in_bounds(step_duty):
+            raise ValueError(f"step_duty must be within {STEP_DUTY_BOUNDS}, not {step_duty}")
         self.snac = snac
         self._clock = clock  # seconds, monotonic: push stamps, holds, steps and their durations all read it
         self.max_batch = max_batch
