@@ -132,11 +132,12 @@ class GatewayConfig:
                                        "none starts fast while another sentence waits for its first token.")
     decode_max_batch: int = _opt(256, "Most streams the SNAC decoder advances in one step (CUDA graphs are captured "
                                  "for batches up to this).")
-    snac_step_duty: float = _opt(1.0, "Most of the wall time the SNAC decoder's steps may take: after a step of t "
-                                 "seconds the next starts no sooner than t / duty from its start. 1 steps a due "
-                                 "stream as its frame comes; below 1, streams at or behind real time share fewer, "
-                                 "larger steps, leaving the GPU to generation. Being measured "
-                                 "(docs/decisions/snac-step-timing.md).")
+    snac_step_duty: float | None = _opt(None, "Most of the wall time the SNAC decoder's steps may take: after a "
+                                        "step of t seconds that left open streams out, the next starts no sooner "
+                                        "than t / duty from its start. 1 steps a due stream as its frame comes; "
+                                        "below 1, streams at or behind real time share fewer, larger steps, "
+                                        "leaving the GPU to generation. Default: 0.25 where SNAC runs on CUDA, 1 "
+                                        "on a CPU (docs/decisions/snac-step-timing.md).")
     snac_cuda_graphs: bool = _opt(True, "Capture SNAC decoding as CUDA graphs (GPU only).")
     snac_compile: bool | None = _opt(None, "Compile the exact decoder's step with torch.compile (Inductor fuses the "
                                      "Snakes, history copies, masks, noise and depthwise convolutions). Default: on "
@@ -414,7 +415,8 @@ def validate(config: GatewayConfig) -> None:
          "snac_kernels needs SNAC on CUDA (snac_device auto or cuda), not cpu"),
         (config.decode_fast_start_ms >= 0, "decode_fast_start_ms must be >= 0"),
         (config.decode_max_batch >= 1, "decode_max_batch must be >= 1"),
-        (step_duty_in_bounds(config.snac_step_duty), f"snac_step_duty must be within {STEP_DUTY_BOUNDS}"),
+        (config.snac_step_duty is None or step_duty_in_bounds(config.snac_step_duty),
+         f"snac_step_duty must be within {STEP_DUTY_BOUNDS}"),
         (config.stream_interval >= 1, "stream_interval must be >= 1"),
         (config.temperature >= 0, "temperature must be >= 0"),
         (0 < config.top_p <= 1, "top_p must be within (0, 1]"),

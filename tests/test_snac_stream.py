@@ -1151,3 +1151,21 @@ def test_a_sentence_starting_alone_takes_the_fast_start_at_a_slower_token_rate_t
     assert not fast_start_in_time(7, 0.024, needed, 0.0)
     assert not fast_start_in_time(1, 0.0, needed, 1.0)  # one token says nothing about the rate
 
+
+
+def test_the_step_duty_defaults_to_a_rest_on_cuda_and_none_on_a_cpu(tiny_snac_dir: Path) -> None:
+    """`--snac-step-duty` unset: GPU_STEP_DUTY where SNAC shares a GPU with generation, 1 on a CPU (the gateway's
+    tiny decoder loads on the CPU here); a value given is kept on either."""
+    from gateway.speech.decoder import DecoderSettings, load_stream_decoder
+    from gateway.speech.stream_decoder import GPU_STEP_DUTY, step_duty_on
+
+    assert GPU_STEP_DUTY < 1
+    assert step_duty_on("cuda", None) == GPU_STEP_DUTY and step_duty_on("cpu", None) == 1.0
+    assert step_duty_on("cuda", 1.0) == 1.0 and step_duty_on("cpu", 0.5) == 0.5
+    for given, expected in ((None, 1.0), (0.5, 0.5)):
+        decoder = load_stream_decoder(DecoderSettings(snac_model=str(tiny_snac_dir), device="cpu", cuda_graphs=False,
+                                                      max_batch=4, max_streams=8, step_duty=given))
+        try:
+            assert decoder.step_duty == expected
+        finally:
+            decoder.close()

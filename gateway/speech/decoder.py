@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.orpheus import Frame
-from gateway.speech.stream_decoder import DecodeStats, DecodeStream, StreamDecoder
+from gateway.speech.stream_decoder import DecodeStats, DecodeStream, StreamDecoder, step_duty_on
 
 
 class Decoder(Protocol):
@@ -48,7 +48,8 @@ class DecoderSettings:
     max_streams: int = 512  # stream slots, for the sentences of all workers together
     compile: bool | None = None  # the step through torch.compile (the gateway's snac_compile; None: on a GPU)
     kernels: bool | None = None  # residual units as fused kernels (the gateway's snac_kernels; None: where they run)
-    step_duty: float = 1.0  # the most of the wall time steps take (the gateway's snac_step_duty; 1: no rest)
+    step_duty: float | None = None  # the most of the wall time steps take (the gateway's snac_step_duty; None: by
+    # where SNAC runs, `step_duty_on`)
 
 
 def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
@@ -58,4 +59,4 @@ def load_stream_decoder(settings: DecoderSettings) -> StreamDecoder:
     snac = StreamingSnac.load(settings.snac_model, settings.device, settings.snac_dtype,
                               max_streams=settings.max_streams, capture_graphs=settings.cuda_graphs,
                               max_batch=settings.max_batch, compile=settings.compile, kernels=settings.kernels)
-    return StreamDecoder(snac, settings.max_batch, step_duty=settings.step_duty)
+    return StreamDecoder(snac, settings.max_batch, step_duty=step_duty_on(snac.device.type, settings.step_duty))

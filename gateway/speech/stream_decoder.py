@@ -127,6 +127,19 @@ class DecodeStream:
     start_pace_s: float | None = None  # worker thread only: the pace its start was planned at (None: read none)
 
 
+# Where SNAC shares the GPU with generation, steps behind real time rest: 4x their length
+# (docs/decisions/snac-step-timing.md, "Behind real time").
+GPU_STEP_DUTY = 0.25
+
+
+def step_duty_on(device_type: str, step_duty: float | None) -> float:
+    """The one reading of `--snac-step-duty`'s default (None): GPU_STEP_DUTY where SNAC runs on CUDA; 1 (no rest) on
+    a CPU, where the decoder itself is the bottleneck and resting could only delay it."""
+    if step_duty is not None:
+        return step_duty
+    return GPU_STEP_DUTY if device_type == "cuda" else 1.0
+
+
 class StreamDecoder:
     """Owns a `StreamingSnac` in one worker thread; `open` a stream per sentence. Its time is `clock` (monotonic
     seconds); the worker waits for a tick that many seconds, or until the next command comes."""
