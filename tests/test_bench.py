@@ -147,6 +147,7 @@ async def test_bench_smoke_both_levels(synthesizer: Synthesizer, test_config: Ga
     assert saved["schema"] == run["schema"] and saved["machine"]["cpu_cores_logical"] >= 1
     assert saved["model"]["shape"]["vocab_size"] == 156_940
     assert saved["engine"]["model"] == test_config.model
+    assert saved["decoder"] == {"step_duty": 1.0}, "the step duty the default resolved to (SNAC on this CPU)"
     assert [(s["scenario"], s["level"]) for s in saved["scenarios"]] == [
         ("stress", "vllm"), ("streaming", "vllm"), ("stress", "engine"), ("streaming", "engine"),
         ("stress", "webrtc"), ("streaming", "webrtc")]

@@ -41,6 +41,7 @@ from gateway.benchmarks.settings import (
     options_from_args,
 )
 from gateway.config import GatewayConfig
+from gateway.speech.stream_decoder import StreamDecoder
 from gateway.speech.synthesizer import Synthesizer
 
 SCHEMA = "orpheus-gateway-bench/1"
@@ -88,10 +89,18 @@ def _new_run(config: GatewayConfig, options: BenchOptions, argv: Sequence[str] |
         "machine": machine_info(),
         "model": {"model": config.model, "snac_model": config.snac_model, "shape": model_shape(config.model)},
         "engine": dataclasses.asdict(config),
+        "decoder": decoder_in_use(bench_synth),
         "options": dataclasses.asdict(options),
         "budgets": {text: sentence_budgets(bench_synth, text, options.tokens_per_char) for text in texts},
         "scenarios": [],
     }
+
+
+def decoder_in_use(synth: Synthesizer) -> dict[str, Any] | None:
+    """The settings that `engine`'s defaults (None) resolved to in this process's SNAC decoder: its step duty
+    (`--snac-step-duty`); None where the decoder is another process's (the shared SNAC process)."""
+    decoder = synth.decoder
+    return {"step_duty": decoder.step_duty} if isinstance(decoder, StreamDecoder) else None
 
 
 def _now() -> str:
