@@ -737,7 +737,7 @@ async def test_after_a_step_the_next_waits_for_its_rest_though_a_stream_is_due(s
         await wait_until(lambda: not decoder.snac.ready(a) and not decoder.snac.ready(b), timeout=30)
         assert a.stepped == 5 and b.stepped == 4
 
-        decoder.step_duty = duty
+        decoder.timing.step_duty = duty
         decoder.push(streams[0], frames[0][5:6])  # stepped at once (the last step left no rest), b left out
         await wait_until(lambda: a.stepped == 6, timeout=30)
         rested_at = step_starts[-1] + step_s / duty
@@ -1157,7 +1157,7 @@ def test_the_step_duty_defaults_to_a_rest_on_cuda_and_none_on_a_cpu(tiny_snac_di
     """`--snac-step-duty` unset: GPU_STEP_DUTY where SNAC shares a GPU with generation, 1 on a CPU (the gateway's
     tiny decoder loads on the CPU here); a value given is kept on either."""
     from gateway.speech.decoder import DecoderSettings, load_stream_decoder
-    from gateway.speech.stream_decoder import GPU_STEP_DUTY, step_duty_on
+    from gateway.speech.step_timing import GPU_STEP_DUTY, step_duty_on
 
     assert GPU_STEP_DUTY < 1
     assert step_duty_on("cuda", None) == GPU_STEP_DUTY and step_duty_on("cpu", None) == 1.0
@@ -1166,6 +1166,6 @@ def test_the_step_duty_defaults_to_a_rest_on_cuda_and_none_on_a_cpu(tiny_snac_di
         decoder = load_stream_decoder(DecoderSettings(snac_model=str(tiny_snac_dir), device="cpu", cuda_graphs=False,
                                                       max_batch=4, max_streams=8, step_duty=given))
         try:
-            assert decoder.step_duty == expected
+            assert decoder.timing.step_duty == expected
         finally:
             decoder.close()

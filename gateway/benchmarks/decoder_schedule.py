@@ -39,7 +39,8 @@ from gateway.speech.codec.server import StreamCodecServer
 from gateway.speech.decoder import Decoder
 from gateway.speech.first_audio import EXACT_OR_BRIDGE
 from gateway.speech.snac import StreamingSnac
-from gateway.speech.stream_decoder import DUE_LEAD_S, MAX_HOLD_S, StreamDecoder
+from gateway.speech.step_timing import DUE_LEAD_S, MAX_HOLD_S
+from gateway.speech.stream_decoder import StreamDecoder
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 DECODERS = ("in-process", "remote")  # the decoder in this process, or behind the SNAC stream protocol

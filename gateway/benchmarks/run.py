@@ -100,7 +100,7 @@ def decoder_in_use(synth: Synthesizer) -> dict[str, Any] | None:
     """The settings that `engine`'s defaults (None) resolved to in this process's SNAC decoder: its step duty
     (`--snac-step-duty`); None where the decoder is another process's (the shared SNAC process)."""
     decoder = synth.decoder
-    return {"step_duty": decoder.step_duty} if isinstance(decoder, StreamDecoder) else None
+    return {"step_duty": decoder.timing.step_duty} if isinstance(decoder, StreamDecoder) else None
 
 
 def _now() -> str:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.orpheus import Frame
-from gateway.speech.stream_decoder import DecodeStats, DecodeStream, StreamDecoder, step_duty_on
+from gateway.speech.step_timing import step_duty_on
+from gateway.speech.stream_decoder import DecodeStats, DecodeStream, StreamDecoder
 
 
 class Decoder(Protocol):

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.config import STEP_DUTY_BOUNDS, step_duty_in_bounds
 from gateway.orpheus import SAMPLE_RATE, Frame
 from gateway.speech.first_audio import (
     EXACT_OR_BRIDGE,
@@ -33,6 +32,7 @@ from gateway.speech.first_audio import (
     StartPolicy,
     exact_start_hold_s,
 )
+from gateway.speech.step_timing import DUE_LEAD_S, MAX_HOLD_S, StepTiming
 
 if TYPE_CHECKING:  # torch loads with the decoder, not with this module (the codec server imports it, torch-free)
     from gateway.speech.snac import StreamHandle, StreamingSnac
@@ -48,14 +48,6 @@ HANDOVER_MARGIN_S = 0.02
 # Frames a stream's first audio waits for beyond its own unless the tokens come fast (then 0): one frame of right
 # context is where the bridge's error falls to the crossfade's scale (docs/decisions/snac-exactness-and-bridge.md).
 FIRST_AUDIO_LOOKAHEAD = 1
-# A stream whose audio runs less than this ahead of its listener is stepped now: its audio must then reach the
-# playout before the lead runs out, through the worker's longest tick under load and, with the shared SNAC process,
-# a socket and a busy worker's event loop (docs/decisions/snac-step-timing.md). Listeners at 0 ms are below it from
-# their first audio on.
-DUE_LEAD_S = 0.2
-# The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
-# streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
-MAX_HOLD_S = 0.05
 TICK_MS_BUCKETS = 1001  # DecodeStats.tick_ms: 0..999 ms, then 1 s or more
 THREAD_NAME = "snac-stream-decoder"  # the worker thread (gateway.benchmarks.probes reads its CPU time by this name)
 
@@ -127,19 +119,6 @@ class DecodeStream:
     start_pace_s: float | None = None  # worker thread only: the pace its start was planned at (None: read none)
 
 
-# Where SNAC shares the GPU with generation, steps behind real time rest: 4x their length
-# (docs/decisions/snac-step-timing.md, "Behind real time").
-GPU_STEP_DUTY = 0.25
-
-
-def step_duty_on(device_type: str, step_duty: float | None) -> float:
-    """The one reading of `--snac-step-duty`'s default (None): GPU_STEP_DUTY where SNAC runs on CUDA; 1 (no rest) on
-    a CPU, where the decoder itself is the bottleneck and resting could only delay it."""
-    if step_duty is not None:
-        return step_duty
-    return GPU_STEP_DUTY if device_type == "cuda" else 1.0
-
-
 class StreamDecoder:
     """Owns a `StreamingSnac` in one worker thread; `open` a stream per sentence. Its time is `clock` (monotonic
     seconds); the worker waits for a tick that many seconds, or until the next command comes."""
@@ -149,18 +128,10 @@ class StreamDecoder:
                  due_lead_s: float = DUE_LEAD_S, start: StartPolicy = EXACT_OR_BRIDGE,
                  on_first_audio: Callable[[bool, float, float | None], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, step_duty: float = 1.0) -> None:
-        if not step_duty_in_bounds(step_duty):
-            raise ValueError(f"step_duty must be within {STEP_DUTY_BOUNDS}, not {step_duty}")
         self.snac = snac
         self._clock = clock  # seconds, monotonic: push stamps, holds, steps and their durations all read it
         self.max_batch = max_batch
-        self.hold_s = hold_s  # the longest a ready stream with lead to spare waits for a step (MAX_HOLD_S)
-        self.due_lead_s = due_lead_s  # a ready stream with less lead is stepped now (DUE_LEAD_S)
-        # The most of the wall time steps take: after a step of t seconds that left open streams out, none starts
-        # before t / step_duty from its start, due streams or not (1: a due stream is stepped as its frame comes).
-        # Where every stream is due (generation at or behind real time), stepping at every frame runs many small
-        # batches whose GPU time slows generation further (docs/decisions/snac-step-timing.md, "Behind real time").
-        self.step_duty = step_duty
+        self.timing = StepTiming(hold_s, due_lead_s, step_duty)  # when it steps (`step_timing`)
         self.start = start  # how a first audio starts (`_first_audio_at`; benchmarks compare others)
         self.on_batch = on_batch  # (streams, seconds, frames per stream, new frames): the metrics hook
         # (from the exact stream, seconds from the head ready, the pace planned at or None): the metrics hook
@@ -173,8 +144,6 @@ class StreamDecoder:
         self._outboxes: dict[asyncio.AbstractEventLoop, list[Command]] = {}  # event-loop side: not yet sent
         self.commands_sent = 0  # event-loop side: commands handed to the worker so far (tests wait on it)
         self._streams: list[DecodeStream] = []
-        self._last_step = 0.0  # clock time of the last step: the hold counts from it
-        self._rested_at = 0.0  # clock time before which no step starts (`step_duty`)
         self.pace = GenerationPace()  # every stream's recent frame intervals (`_pace_s`)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -266,7 +235,7 @@ class StreamDecoder:
 
     def _next_tick_at(self, streams: Sequence[DecodeStream]) -> float | None:
         """When the worker must tick next for these streams (clock time): now for a first audio or a
-        bridge decision, the step's time for ready streams (`_step_due_in`), None if none needs anything."""
+        bridge decision, the step's time for ready streams (`timing.due_in`), None if none needs anything."""
         now = self._clock()
         waits = []
         for stream in streams:
@@ -280,14 +249,8 @@ class StreamDecoder:
             elif self._bridge_due(stream):
                 return now
             if self._steppable(stream):
-                waits.append(self._step_due_in(stream.lead_s(), now))
+                waits.append(self.timing.due_in(stream.lead_s(), now))
         return now + min(waits) if waits else None
-
-    def _step_due_in(self, lead_s: float, now: float) -> float:
-        """Seconds until a ready stream with this lead must be stepped: until its lead falls to `due_lead_s` or
-        the last step is `hold_s` old, whichever comes first, and not before the last step's rest is over
-        (`step_duty`) (0: now)."""
-        return max(0.0, self._rested_at - now, min(lead_s - self.due_lead_s, self._last_step + self.hold_s - now))
 
     def _bridge_due(self, stream: DecodeStream) -> bool:
         """`_bridge` has something to do for this started stream: while it bridges, a decision on a new frame (a
@@ -388,7 +351,7 @@ class StreamDecoder:
         ready = [s for s in self._streams if self._steppable(s)]
         if ready:
             leads = {s: s.lead_s() for s in ready}  # once per tick: a lead is a call into the synthesizer
-            if self._step_due_in(min(leads.values()), self._clock()) <= 0:
+            if self.timing.due_in(min(leads.values()), self._clock()) <= 0:
                 self._step(leads)
         self._finish_done()
         self.stats.count_tick(self._clock() - t0)
@@ -397,8 +360,8 @@ class StreamDecoder:
         """Step the ready streams (`leads`: each one's lead) by lead, least first, up to `max_batch`."""
         t0 = self._clock()
         batch = sorted(leads, key=leads.__getitem__)[:self.max_batch]  # the closest to running dry first
-        held = leads[batch[0]] >= self.due_lead_s
-        self._last_step = t0
+        held = self.timing.held(leads[batch[0]])
+        self.timing.step_started(t0)
         try:
             pcm = self.snac.step_batch([s.handle for s in batch])  # type: ignore[misc]
         except Exception as exc:
@@ -406,14 +369,9 @@ class StreamDecoder:
             self._fail(batch, exc)
             return
         elapsed = self._clock() - t0
-        # A step that took every open stream (or its most) rests no longer than itself: waiting cannot grow the
-        # next batch (the decoder, not generation, is behind).
-        rest_s = elapsed
-        if self.step_duty < 1:  # at 1 the rest is the step itself: no need to count the open streams
-            open_streams = sum(1 for s in self._streams if s.handle is not None and not s.handle.closed)
-            if len(batch) < min(self.max_batch, open_streams):
-                rest_s = elapsed / self.step_duty
-        self._rested_at = t0 + rest_s
+        left_out = self.timing.rests and len(batch) < min(self.max_batch, sum(  # open streams: counted only then
+            1 for s in self._streams if s.handle is not None and not s.handle.closed))
+        self.timing.step_ended(t0, elapsed, left_out)
         self.stats.batches += 1
         self.stats.held_steps += held
         self.stats.windows += len(batch)
