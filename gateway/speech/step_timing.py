@@ -16,8 +16,8 @@ DUE_LEAD_S = 0.2
 # The longest a ready stream with lead to spare waits for a step: bounds the steps to ~20 a second for such
 # streams while their buffers stay as full as at every-frame stepping, less 50 ms at most.
 MAX_HOLD_S = 0.05
-# Where SNAC shares the GPU with generation, steps that left streams out rest 4x their length
-# (docs/decisions/snac-step-timing.md, "Behind real time").
+# Where SNAC shares the GPU with generation, after a step that left streams out the next waits until 4x its length
+# from its start (docs/decisions/snac-step-timing.md, "Behind real time").
 GPU_STEP_DUTY = 0.25
 
 
