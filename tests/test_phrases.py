@@ -251,6 +251,41 @@ async def test_sessions_share_lines_private_ones_are_never_kept_and_a_burst_make
         assert metric(gateway, "orpheus_phrase_cache_single_flight_joins_total") >= 7
 
 
+async def test_a_line_asked_while_its_audio_is_being_stored_is_a_hit_and_its_tokens_count_once(
+        test_config: GatewayConfig, synthesizer: Synthesizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flight whose audio is complete stays in the flight table until its entry is stored; a request for its line
+    in that window is a hit (no engine request, no join) and the flight's tokens are counted by one request only."""
+    engine = synthesizer.engine
+    line = "This line is being stored."
+    async with running(cached_config(test_config, tmp_path), synthesizer) as (base_url, gateway):
+        phrases = gateway.phrases
+        assert phrases is not None
+        storing, release = asyncio.Event(), asyncio.Event()
+        put = phrases.store.put
+
+        async def held_put(key: str, data: bytes) -> int:
+            storing.set()
+            await release.wait()
+            return await put(key, data)
+
+        monkeypatch.setattr(phrases.store, "put", held_put)
+        tokens = metric(gateway, "orpheus_audio_tokens_total")
+        async with aiohttp.ClientSession() as http:
+            first = await speech(http, base_url, line)
+            await asyncio.wait_for(storing.wait(), 30)
+            made = metric(gateway, "orpheus_audio_tokens_total") - tokens
+            requests, hits = engine.requests_started, metric(gateway, "orpheus_phrase_cache_hits_total")
+            joins = metric(gateway, "orpheus_phrase_cache_single_flight_joins_total")
+            again = await speech(http, base_url, line)
+            release.set()
+            await wait_until(lambda: not phrases.flights, timeout=30)
+        assert again == first and len(first) > 0 and made > 0
+        assert engine.requests_started == requests
+        assert metric(gateway, "orpheus_phrase_cache_hits_total") == hits + 1
+        assert metric(gateway, "orpheus_phrase_cache_single_flight_joins_total") == joins
+        assert metric(gateway, "orpheus_audio_tokens_total") - tokens == made
+
+
 async def test_a_corrupt_entry_is_made_again_and_the_disk_bound_holds(
         test_config: GatewayConfig, synthesizer: Synthesizer, tmp_path: Path) -> None:
     engine = synthesizer.engine

@@ -99,6 +99,7 @@ class Flight:
     relay: LeaderRelay | None = None  # leading on the board: followers elsewhere may hear it
     admit: Admit | None = None  # a prefetch's: its slot is taken only once the flight generates here
     generating: bool = False  # asking the engine here (holding admit's slot), not looking or following elsewhere
+    tokens_taken: bool = False  # its tokens went to one request's count
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, pcm: np.ndarray, last: bool) -> None:
@@ -118,6 +119,14 @@ class Flight:
     def heard(self) -> bool:
         """Somebody listens: a follower here, or (leading on the board) one elsewhere."""
         return self.followers > 0 or (self.relay is not None and self.relay.heard_elsewhere())
+
+    def take_tokens(self) -> int:
+        """The flight's tokens for the one request that counts them (the last follower out), 0 for any other: a
+        request that joins a finished flight before it leaves the table does not count them again."""
+        if self.followers or self.tokens_taken:
+            return 0
+        self.tokens_taken = True
+        return self.stats.tokens
 
     def end(self, error: BaseException | None = None) -> None:
         self.done, self.error = True, error

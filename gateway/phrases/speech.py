@@ -40,7 +40,11 @@ async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer,
         if not sentence:
             continue
         key = cache.key(sentence_voice, sentence, seed)
-        entry = None if key.digest in cache.flights else await cache.lookup(key)
+        running = cache.flights.get(key.digest)
+        if running is None:
+            entry = await cache.lookup(key)
+        else:  # a finished flight is a hit while its entry is being stored
+            entry = running.entry if running.done else None
         if entry is not None:
             cache.metrics.hits_total.inc()
             if stats.first_audio_at is None:
@@ -61,8 +65,7 @@ async def cached_sentences(cache: PhraseCache, synthesizer: Synthesizer,
                 stats.samples += len(pcm)
                 yield AudioChunk(pcm, index, sentence, first, last)
                 first = False
-            if flight.stats.tokens and flight.followers == 0:
-                stats.tokens += flight.stats.tokens  # counted once, by the last follower out
+            stats.tokens += flight.take_tokens()
         index += 1
         stats.sentences = index
     stats.finished_at = time.monotonic()
