@@ -6,11 +6,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.benchmarks.gateway_procs import all_processes_answered, loop_lag_buckets, loop_lag_summary
+from gateway.benchmarks.gateway_procs import (
+    METRICS_ATTEMPTS,
+    GatewayWatch,
+    all_processes_answered,
+    loop_lag_buckets,
+    loop_lag_summary,
+)
 from gateway.service.loop_lag import LoopLagMonitor
-from gateway.service.metrics import Metrics, merge_worker_expositions
+from gateway.service.metrics import Metrics, SnacMetrics, merge_worker_expositions
+from tests.support import free_port
 
 
 def test_merged_exposition_labels_every_sample_with_its_worker() -> None:
@@ -65,6 +74,40 @@ def test_a_merged_read_missing_a_process_is_read_again_by_the_bench() -> None:
                                                                snac_answered=False).decode())
     assert not all_processes_answered(merge_worker_expositions({"w0": workers["w0"]}, expected=2).decode())
     assert all_processes_answered(Metrics().render().decode()), "a single gateway's own /metrics is whole"
+
+
+async def test_the_bench_takes_no_snac_counters_from_a_read_that_stays_short() -> None:
+    """Over HTTP: a merged /metrics that lacks the SNAC process on every read gives the bench no counters (it reads
+    METRICS_ATTEMPTS times); one that is whole by the last read gives them."""
+    snac = SnacMetrics(CollectorRegistry())  # the shared SNAC process's own registry
+    snac.snac_new_frames_total.inc(5)
+    workers = {"w0": Metrics().render().decode()}
+    reads: list[int] = []
+    whole_from = [METRICS_ATTEMPTS + 1]
+
+    async def metrics(_request: web.Request) -> web.Response:
+        reads.append(1)
+        answered = len(reads) >= whole_from[0]
+        processes = {**workers, "snac": generate_latest(snac.registry).decode()} if answered else workers
+        body = merge_worker_expositions(processes, expected=1, answered=1, snac_answered=answered)
+        return web.Response(body=body, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        watch = GatewayWatch(f"http://127.0.0.1:{port}", None)
+        short = await watch.snapshot()
+        assert len(reads) == METRICS_ATTEMPTS and short.snac is None and short.loop_lag is None
+        reads.clear()
+        whole_from[0] = METRICS_ATTEMPTS
+        whole = await watch.snapshot()
+        assert len(reads) == METRICS_ATTEMPTS and whole.snac is not None and whole.snac["frames"] == 5
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_blocked_loop_shows_in_the_lag_histogram_and_the_benchs_reading() -> None:

@@ -162,8 +162,8 @@ def loop_lag_summary(before: dict[float, float], after: dict[float, float]) -> d
 @dataclass(frozen=True)
 class GatewaySnapshot:
     cpu: dict[int, tuple[str, float]]  # cpu_by_process; {} without a supervisor pid
-    snac: dict[str, float] | None  # snac_counters; None when /metrics did not answer
-    loop_lag: dict[str, dict[float, float]] | None = None  # loop_lag_buckets; None when /metrics did not answer
+    snac: dict[str, float] | None  # snac_counters; None when /metrics (or a process behind it) did not answer
+    loop_lag: dict[str, dict[float, float]] | None = None  # loop_lag_buckets; None likewise
 
 
 class GatewayWatch:
@@ -176,11 +176,13 @@ class GatewayWatch:
 
     async def snapshot(self) -> GatewaySnapshot:
         """One reading; /metrics is read again (up to METRICS_ATTEMPTS times) while a worker or the shared SNAC
-        process did not answer the merged read, since its counters would be missing from the difference."""
+        process did not answer the merged read, since its counters would be missing from the difference; a read
+        still missing one gives no counters (the point reports no SNAC figures rather than short ones)."""
         import aiohttp
 
         cpu = cpu_by_process(self.supervisor_pid) if self.supervisor_pid is not None else {}
         text: str | None = None
+        whole = False
         for attempt in range(METRICS_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(METRICS_RETRY_S)
@@ -189,9 +191,10 @@ class GatewayWatch:
                 async with aiohttp.ClientSession(timeout=timeout) as http, \
                         http.get(f"{self.base_url}/metrics") as r:
                     text = await r.text() if r.status == 200 else None
-            if text is not None and all_processes_answered(text):
+            whole = text is not None and all_processes_answered(text)
+            if whole:
                 break
-        if text is None:
+        if text is None or not whole:  # short counters would make short figures: none
             return GatewaySnapshot(cpu, None, None)
         return GatewaySnapshot(cpu, snac_counters(text), loop_lag_buckets(text))
 
