@@ -14,7 +14,7 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ("speech", "media", "service", "timing", "rtc", "edge", "cluster", "devtools")
+LAYERS = ("config", "speech", "media", "service", "timing", "rtc", "edge", "cluster", "devtools")
 
 
 def test_import_linter_contract_is_kept() -> None:
