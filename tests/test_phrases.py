@@ -343,6 +343,7 @@ async def test_prefetch_makes_lines_ready_without_delaying_live_speech(
         test_config: GatewayConfig, synthesizer: Synthesizer, tmp_path: Path) -> None:
     engine = synthesizer.engine
     lines = ["The next line of the lesson.", "And the one after it.", "A third line to learn."]
+    engine_tokens = sum(synthesizer.model_tokens.values())
     async with running(cached_config(test_config, tmp_path), synthesizer) as (base_url, gateway):
         assert gateway.phrases is not None
         async with peer_of(base_url, gateway) as (peer, _pcm):
@@ -379,6 +380,14 @@ async def test_prefetch_makes_lines_ready_without_delaying_live_speech(
             async with aiohttp.ClientSession() as http, http.post(f"{base_url}/v1/audio/prefetch",
                                                                   json={"texts": []}) as r:
                 assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_prefetch"
+
+        # every token the engine generated counts once: by an utterance, or by the prefetch (the preempted one too)
+        def counted() -> float:
+            return metric(gateway, "orpheus_audio_tokens_total") + \
+                metric(gateway, "orpheus_phrase_cache_prefetch_tokens_total")
+        generated = sum(synthesizer.model_tokens.values()) - engine_tokens
+        await wait_until(lambda: counted() == generated, timeout=10)
+        assert metric(gateway, "orpheus_phrase_cache_prefetch_tokens_total") > 0
 
 
 # --- single flight across processes and hosts (the board in the shared store) --------------------------------

@@ -427,9 +427,13 @@ class PhraseCache:
         self.metrics.prefetches_total.labels("skipped").inc()
 
     async def _drain(self, flight: Flight) -> None:
-        with contextlib.suppress(Exception):
-            async for _chunk in self.follow(flight, None):
-                pass
+        """A prefetch follows its flight to the end; leaving last, it counts the flight's tokens."""
+        try:
+            with contextlib.suppress(Exception):
+                async for _chunk in self.follow(flight, None):
+                    pass
+        finally:
+            self.metrics.prefetch_tokens_total.inc(flight.take_tokens())
 
     async def _yield_to_live(self, flight: Flight, drain: asyncio.Task[None]) -> int | None:
         """Follow a prefetch's flight to its end (None), or end it when live speech starts while it generates here

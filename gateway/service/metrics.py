@@ -120,6 +120,9 @@ class PhraseCacheMetrics:
         self.prefetches_total = Counter("orpheus_phrase_cache_prefetches_total", "Prefetched sentences, by outcome "
                                         "(ready: already cached; generated; skipped: no room or cache off).",
                                         ["outcome"], registry=r)
+        self.prefetch_tokens_total = Counter("orpheus_phrase_cache_prefetch_tokens_total", "Audio tokens generated "
+                                             "by prefetches that no request followed (one that did counts them with "
+                                             "its utterance's, in orpheus_audio_tokens_total).", registry=r)
         self.corrupt_total = Counter("orpheus_phrase_cache_corrupt_total", "Entries dropped for a bad checksum.",
                                      registry=r)
         self.errors_total = Counter("orpheus_phrase_cache_store_errors_total", "Store calls that failed (counted "
