@@ -381,7 +381,8 @@ async def test_prefetch_makes_lines_ready_without_delaying_live_speech(
                                                                   json={"texts": []}) as r:
                 assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_prefetch"
 
-        # every token the engine generated counts once: by an utterance, or by the prefetch (the preempted one too)
+        # with no utterance cut short, every token the engine generated counts once: by an utterance, or by the
+        # prefetch (the preempted one too)
         def counted() -> float:
             return metric(gateway, "orpheus_audio_tokens_total") + \
                 metric(gateway, "orpheus_phrase_cache_prefetch_tokens_total")

@@ -166,8 +166,8 @@ class Metrics:
         self.engine_restarts_total = Counter("orpheus_engine_restarts_total", "Engine restarts after death.",
                                              registry=r)
         self.snac = SnacMetrics(r)  # empty under `serve --workers`: the shared SNAC process reports them
-        self.tokens_total = Counter("orpheus_audio_tokens_total", "Tokens generated (rate = tokens/s).",
-                                    registry=r)
+        self.tokens_total = Counter("orpheus_audio_tokens_total",
+                                    "Audio tokens of the utterances served (rate = tokens/s).", registry=r)
         self.audio_seconds_total = Counter("orpheus_audio_seconds_total", "Audio produced.", registry=r)
         # Refusals by error code (at_capacity, rate_limited, missing_token, ...): the operator's overload signal.
         self.rejections_total = Counter("orpheus_rejections_total", "Requests and messages refused, by code.",
