@@ -181,22 +181,18 @@ class GatewayWatch:
         import aiohttp
 
         cpu = cpu_by_process(self.supervisor_pid) if self.supervisor_pid is not None else {}
-        text: str | None = None
-        whole = False
         for attempt in range(METRICS_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(METRICS_RETRY_S)
+            text: str | None = None
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 timeout = aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S)
                 async with aiohttp.ClientSession(timeout=timeout) as http, \
                         http.get(f"{self.base_url}/metrics") as r:
                     text = await r.text() if r.status == 200 else None
-            whole = text is not None and all_processes_answered(text)
-            if whole:
-                break
-        if text is None or not whole:  # short counters would make short figures: none
-            return GatewaySnapshot(cpu, None, None)
-        return GatewaySnapshot(cpu, snac_counters(text), loop_lag_buckets(text))
+            if text is not None and all_processes_answered(text):
+                return GatewaySnapshot(cpu, snac_counters(text), loop_lag_buckets(text))
+        return GatewaySnapshot(cpu, None, None)  # short counters would make short figures: none
 
 
 def all_processes_answered(exposition: str) -> bool:
