@@ -44,6 +44,9 @@ KILL_ATTEMPTS = 2  # the engine-core kill test tries again if the utterance was 
 LONG_TOKENS = 225  # what LONG_TEXT with LONG_SEED generates when left alone (~5 s on CPU): the same ids every run
 READ_TIMEOUT_S = 5.0  # --vllm-read-timeout-s in the stalled-stream test: above a loaded 2-core machine's pauses
 READ_TIMEOUT_SLACK_S = 4.0  # the close and the loop's wake-up after the timeout, on a loaded 2-core machine
+# Tries at cancelling a request mid-generation: on two shared cores a try can see its first ids only after the
+# server generated them all (a fresh-clone run had 3 such tries in a row); such a try says nothing.
+CANCEL_ATTEMPTS = 5
 
 
 
@@ -315,7 +318,7 @@ async def test_closing_the_stream_aborts_the_request_on_the_server(remote_synth:
 async def test_cancelled_task_aborts_the_request_on_the_server(remote_synth: Synthesizer,
                                                                vllm_server: VllmServer) -> None:
     generated = float(LONG_TOKENS)
-    for _attempt in range(3):
+    for _attempt in range(CANCEL_ATTEMPTS):
         before = await vllm_server.metric(GENERATED)
         # Ids arriving, not audio: on two shared cores the first audio can come after the generation ended.
         task, _ = await long_utterance_under_way(remote_synth)
